@@ -1,0 +1,75 @@
+"""The one source of truth shared by the client (prompt builder) and the engine (vLLM plugin).
+
+Why it is separate: the two halves run in different processes, often on different machines. The
+client places SSEP/PDEP/PAD ids and pads spans to ``block_size``; the engine's block hasher reacts
+to exactly those ids at block starts. If the two disagree, nothing breaks loudly — spans just stop
+hitting the cache, or worse, hit where they should not. So both read the same pydantic model, the
+engine receives it through one environment variable that minipic itself sets, and the server
+states it (log line + ``GET /minipic/config``) so a client can check for a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ENABLE_ENV = "MINIPIC_ENABLE"
+SPAN_CONFIG_ENV = "MINIPIC_SPAN_CONFIG"
+FEATURES_ENV = "MINIPIC_FEATURES"
+# What the plugin does when enabled. ``hash``: SSEP/PDEP block hashing (EngineCore).
+# ``rope``: unrotated keys + RoPE inside attention (worker). Both by default; tests switch them
+# separately to show what each one is for.
+ALL_FEATURES = ("hash", "rope")
+
+
+class SpanConfig(BaseModel):
+    """Block size and the three special token ids that mark span structure."""
+
+    model_config = ConfigDict(frozen=True)
+
+    block_size: int = Field(32, gt=0, description="KV block size the engine runs with")
+    ssep_id: int = Field(..., ge=0, description="span separator: block hash chain restarts")
+    pdep_id: int = Field(..., ge=0, description="prompt dependent: block hash covers the prefix")
+    pad_id: int = Field(..., ge=0, description="filler that aligns the next marker to a block")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> SpanConfig:
+        if len({self.ssep_id, self.pdep_id, self.pad_id}) != 3:
+            raise ValueError(
+                f"ssep_id, pdep_id and pad_id must be three different tokens, got "
+                f"{self.ssep_id}, {self.pdep_id}, {self.pad_id}"
+            )
+        return self
+
+    def to_env(self, features: tuple[str, ...] = ALL_FEATURES) -> dict[str, str]:
+        """Environment that turns the vLLM plugin on with this configuration."""
+        unknown = set(features) - set(ALL_FEATURES)
+        if unknown:
+            raise ValueError(f"unknown minipic features {sorted(unknown)}; known: {ALL_FEATURES}")
+        return {
+            ENABLE_ENV: "1",
+            SPAN_CONFIG_ENV: self.model_dump_json(),
+            FEATURES_ENV: ",".join(features),
+        }
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> SpanConfig | None:
+        """The configuration the plugin was started with, or None when the plugin is off."""
+        env = os.environ if environ is None else environ
+        if env.get(ENABLE_ENV, "0") not in ("1", "true", "yes"):
+            return None
+        raw = env.get(SPAN_CONFIG_ENV)
+        if not raw:
+            raise RuntimeError(f"{ENABLE_ENV}=1 but {SPAN_CONFIG_ENV} is not set")
+        return cls.model_validate(json.loads(raw))
+
+
+def enabled_features(environ: dict[str, str] | None = None) -> frozenset[str]:
+    """Plugin features switched on in this process (empty when the plugin is off)."""
+    env = os.environ if environ is None else environ
+    if env.get(ENABLE_ENV, "0") not in ("1", "true", "yes"):
+        return frozenset()
+    raw = env.get(FEATURES_ENV, ",".join(ALL_FEATURES))
+    return frozenset(f.strip() for f in raw.split(",") if f.strip())
