@@ -196,7 +196,7 @@ def default_model_dir(fetch: bool = True, force: bool = False) -> Path:
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
-    """A model argument as users give it: None means the embedded default; a folder is used as is."""
+    """A model argument as given by users: None = the embedded default; a folder is used as is."""
     if model is None or str(model) in ("default", DEFAULT_MODEL_NAME):
         return str(default_model_dir())
     return str(model)

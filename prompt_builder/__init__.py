@@ -1,0 +1,76 @@
+"""Span-aware prompts: system prompt + documents + question as block-aligned token ids.
+
+Start with ``PromptBuilder.from_pretrained(model_dir)`` and ``builder.build(...)``; the layouts
+of the modes are documented in ``prompt_builder.modes``.
+"""
+
+from minipic.span_config import SpanConfig
+from prompt_builder.budget import (
+    BudgetPolicy,
+    BudgetReport,
+    DroppedSpan,
+    TextSelection,
+    TruncatedSpan,
+    fit_texts,
+)
+from prompt_builder.builder import PromptBuilder
+from prompt_builder.counting import (
+    HFTokenCounter,
+    TiktokenCounter,
+    TokenCounter,
+    as_token_counter,
+    count_tokens,
+)
+from prompt_builder.errors import (
+    BlockSizeError,
+    ChatTemplateError,
+    DuplicateSpanIdError,
+    EmptySpanError,
+    EngineMismatchError,
+    InvalidInputError,
+    MissingSpanTokensError,
+    PromptBuildError,
+    PromptTooLongError,
+    ReservedTokenError,
+    SpanTokenError,
+    SpanTooLongError,
+)
+from prompt_builder.layout import Segment
+from prompt_builder.modes import Mode
+from prompt_builder.result import BuiltPrompt, SpanInfo
+from prompt_builder.spans import PreparedSpan, Span, content_id
+
+__all__ = [
+    "BlockSizeError",
+    "BudgetPolicy",
+    "BudgetReport",
+    "BuiltPrompt",
+    "ChatTemplateError",
+    "DroppedSpan",
+    "DuplicateSpanIdError",
+    "EmptySpanError",
+    "EngineMismatchError",
+    "HFTokenCounter",
+    "InvalidInputError",
+    "MissingSpanTokensError",
+    "Mode",
+    "PreparedSpan",
+    "PromptBuildError",
+    "PromptBuilder",
+    "PromptTooLongError",
+    "ReservedTokenError",
+    "Segment",
+    "Span",
+    "SpanConfig",
+    "SpanInfo",
+    "SpanTokenError",
+    "SpanTooLongError",
+    "TextSelection",
+    "TiktokenCounter",
+    "TokenCounter",
+    "TruncatedSpan",
+    "as_token_counter",
+    "content_id",
+    "count_tokens",
+    "fit_texts",
+]

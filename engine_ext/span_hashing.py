@@ -1,0 +1,163 @@
+"""Where the block hash is changed: SSEP / PDEP aware block hashing for vLLM's prefix cache.
+
+vLLM hashes full KV blocks in a chain, ``h_i = H(h_{i-1}, x_i, extra_i)``, so a block hits only
+when everything before it is identical ("each hash chains over the full prefix", the invariant
+stated in ``vllm/v1/core/kv_cache_utils.py``). MiniPIC bends that invariant on purpose, keyed on
+the first token of a block:
+
+* **SSEP** (span separator) — ``h_i = H(h_0, x_i, extra_i)``. The chain restarts, so a span's
+  blocks hash the same whatever precedes them; the final prompt finds a span that was warmed
+  alone (its *span prefill*) at any offset. The attention backend makes that reuse correct by
+  rotating keys at their new positions (see ``engine_ext/rope_attention_backend.py``).
+* **PDEP** (prompt dependent) — ``h_i = H(g_{i-1}, x_i, extra_i + PDEP_TAG)`` where ``g`` is the
+  ordinary full-prefix chain, i.e. the hash covers ``x_{<=i}``. A question block therefore only
+  hits when the whole prompt before it is equal — never because an unrelated prompt happened to
+  end with the same span.
+* anything else chains on from the previous block as usual.
+
+``g`` (the stock full-prefix chain) is kept next to the MiniPIC chain on the request, because PDEP
+needs it and because it is exactly what vLLM would have computed.
+
+Tenant isolation: vLLM puts ``cache_salt`` into the extra keys of block 0 only and relies on the
+chain to carry it. A chain reset would drop it, letting tenants share spans. So every SSEP and
+PDEP block gets the salt in its extra keys; LoRA and multimodal keys are already per block.
+
+Blocks with no special token at their start hash exactly as in stock vLLM, so a prompt without
+SSEP/PDEP gets the stock hashes (PIC off == stock vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from minipic.span_config import SpanConfig
+
+PDEP_TAG = ("minipic", "pdep")
+FULL_CHAIN_ATTR = "_minipic_full_chain"
+
+
+def _with_salt(request: Any, extra_keys: tuple | None, start_token_idx: int) -> tuple | None:
+    """Extra keys of a chain-reset block: the salt must be there even when it is not block 0."""
+    salt = getattr(request, "cache_salt", None)
+    if not salt or start_token_idx == 0:  # block 0 already carries it (stock behaviour)
+        return extra_keys
+    return (*(extra_keys or ()), ("cache_salt", salt))
+
+
+def make_span_block_hasher(
+    hash_block_size: int,
+    caching_hash_fn: Callable[[Any], bytes],
+    config: SpanConfig,
+) -> Callable[[Any], list[bytes]]:
+    """A drop-in for vLLM's ``get_request_block_hasher`` closure, aware of SSEP / PDEP."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    ssep, pdep = config.ssep_id, config.pdep_id
+
+    def request_block_hasher(request: Any) -> list[bytes]:
+        start = len(request.block_hashes) * hash_block_size
+        num_tokens = request.num_tokens
+        if start + hash_block_size > num_tokens:
+            return []
+        full_chain: list[bytes] = request.__dict__.setdefault(FULL_CHAIN_ATTR, [])
+        prev_pic = request.block_hashes[-1] if request.block_hashes else None
+        prev_full = full_chain[-1] if full_chain else None
+        token_ids = request.all_token_ids
+        mm_idx = 0
+        if start > 0 and request.mm_features:
+            mm_idx, _ = kcu.get_mm_features_in_window(
+                request.mm_features, start, start + hash_block_size
+            )
+        new_hashes: list[bytes] = []
+        while start + hash_block_size <= num_tokens:
+            end = start + hash_block_size
+            extra, mm_idx = kcu.generate_block_hash_extra_keys(request, start, end, mm_idx)
+            block = token_ids[start:end]
+            full = kcu.hash_block_tokens(caching_hash_fn, prev_full, block, extra)
+            first = block[0]
+            if first == ssep:
+                pic = kcu.hash_block_tokens(
+                    caching_hash_fn, None, block, _with_salt(request, extra, start)
+                )
+            elif first == pdep:
+                salted = _with_salt(request, extra, start)
+                pic = kcu.hash_block_tokens(
+                    caching_hash_fn, prev_full, block, (*(salted or ()), PDEP_TAG)
+                )
+            else:
+                pic = kcu.hash_block_tokens(caching_hash_fn, prev_pic, block, extra)
+            full_chain.append(full)
+            new_hashes.append(pic)
+            prev_full, prev_pic = full, pic
+            start = end
+        return new_hashes
+
+    return request_block_hasher
+
+
+def _caller_vllm_config() -> Any | None:
+    """The VllmConfig of the EngineCore that is building its hasher (a local in its __init__).
+
+    The hasher factory gets only a block size and a hash function, but whether span hashing is
+    safe depends on the model (hybrid or not); walking up to the caller's frame is the least
+    invasive way to see it in vLLM 0.32 without patching EngineCore.__init__.
+    """
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        cfg = frame.f_locals.get("vllm_config")
+        if cfg is not None:
+            return cfg
+        frame = frame.f_back
+    return None
+
+
+class HybridModelNotSupportedError(RuntimeError):
+    pass
+
+
+def install(config: SpanConfig) -> None:
+    """Replace vLLM's request block hasher everywhere it is bound by name (EngineCore process).
+
+    ``vllm.v1.engine.core`` imported ``get_request_block_hasher`` by value, so patching only
+    ``kv_cache_utils`` would silently do nothing for the engine.
+    """
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.engine import core as engine_core
+
+    if getattr(kcu.get_request_block_hasher, "_minipic", False):
+        return
+    stock = kcu.get_request_block_hasher
+
+    def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[Any], bytes]):
+        vllm_config = _caller_vllm_config()
+        if vllm_config is not None:
+            check_supported(vllm_config, config)
+        return make_span_block_hasher(hash_block_size, caching_hash_fn, config)
+
+    get_request_block_hasher._minipic = True  # type: ignore[attr-defined]
+    get_request_block_hasher._stock = stock  # type: ignore[attr-defined]
+    kcu.get_request_block_hasher = get_request_block_hasher
+    engine_core.get_request_block_hasher = get_request_block_hasher
+
+
+def check_supported(vllm_config: Any, config: SpanConfig) -> None:
+    """Refuse configurations where span hashes would produce false hits or never hit."""
+    model_config = vllm_config.model_config
+    if getattr(model_config, "is_hybrid", False):
+        raise HybridModelNotSupportedError(
+            "minipic span hashing is refused for hybrid (attention + recurrent) models: a "
+            "recurrent state depends on the whole prefix, so an SSEP chain reset would give "
+            "false hits. Start the engine without the plugin (MINIPIC_ENABLE=0) or use the "
+            "sparse recurrent checkpoints feature."
+        )
+    block_size = vllm_config.cache_config.block_size
+    if block_size != config.block_size:
+        raise ValueError(
+            f"minipic span config says block_size={config.block_size} but the engine runs "
+            f"block_size={block_size}; spans would not align to blocks"
+        )

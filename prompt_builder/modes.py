@@ -1,0 +1,232 @@
+"""Prompt layouts: where the system prompt, spans and question go, and which markers lead them.
+
+Notation below: ``S`` = SSEP, ``P`` = PDEP, ``_`` = PAD, ``|`` = block boundary,
+``sys`` = the system span (BOS / chat-template header + system prompt + the user-turn header),
+``d_i`` = span i's tokens, ``q`` = the question with the template's tail (end of the user turn and
+the assistant header). Reuse is stated for an engine running the minipic block hasher and vLLM's
+stock prefix lookup (consecutive hits from the start, never the last token's block), once every
+span prefill of the prompt ran. ``BuiltPrompt.expected_cached_tokens`` is that number;
+``BuiltPrompt.reusable_tokens`` counts every reusable block, holes allowed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import ClassVar
+
+from minipic.span_config import SpanConfig
+from prompt_builder.errors import InvalidInputError
+from prompt_builder.layout import LayoutWriter, padded
+from prompt_builder.spans import PreparedSpan
+
+
+class Mode(StrEnum):
+    BLOCK_ATTENTION = "block_attention"
+    PREFIX = "prefix"
+    BOUNDARY_RECOMPUTE = "boundary_recompute"
+
+
+def coerce_mode(mode: object) -> Mode:
+    try:
+        return Mode(mode)
+    except ValueError:
+        raise InvalidInputError(
+            f"unknown mode {mode!r}; known: {', '.join(m.value for m in Mode)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    """Everything a layout needs, already encoded."""
+
+    system: Sequence[int]  # may be empty (no template, no system prompt, no BOS)
+    system_id: str | None
+    spans: Sequence[PreparedSpan]
+    question: Sequence[int]  # template text before the question + question + template tail
+
+
+class Layout(ABC):
+    """One mode's token layout: how to write a prompt and what each piece costs."""
+
+    mode: ClassVar[Mode]
+
+    def __init__(self, config: SpanConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+
+    def writer(self) -> LayoutWriter:
+        c = self.config
+        return LayoutWriter(c.block_size, c.ssep_id, c.pdep_id, c.pad_id)
+
+    @abstractmethod
+    def system_cost(self, n: int) -> int: ...
+
+    @abstractmethod
+    def span_cost(self, n: int) -> int: ...
+
+    @abstractmethod
+    def question_cost(self, n: int) -> int: ...
+
+    @abstractmethod
+    def write(self, out: LayoutWriter, parts: PromptParts) -> None: ...
+
+    # shared by the span-aware layouts
+    def _write_system(self, out: LayoutWriter, parts: PromptParts) -> None:
+        out.add("system", parts.system, reuse="prefix", span_id=parts.system_id)
+        out.pad_to_block(reuse="prefix", span_id=parts.system_id)
+
+    def _write_question(self, out: LayoutWriter, parts: PromptParts) -> None:
+        out.add("question", parts.question, reuse="none", marker="pdep")
+
+
+class BlockAttentionLayout(Layout):
+    """Pure span reuse (Block-Attention / Prompt-Cache style).
+
+    Layout::
+
+        |sys _ _|S d1 ... _|S d2 ... _ _|P q ...|
+
+    The system span starts at 0 and is padded; each span starts a block with SSEP and is padded
+    to a block end; the question starts a block with PDEP. Span prefill i is ``[S d_i _...]``,
+    exactly the tokens of span i in the final prompt.
+
+    Reused: every block before the question — the system blocks by ordinary prefix hashing, each
+    span's blocks because SSEP restarts the hash chain, so they hash as in the span's prefill
+    whatever precedes them. ``expected_cached_tokens`` = the question's offset. Recomputed: the
+    PDEP-led question blocks (their hash covers the whole prompt; they hit only when the same
+    prompt was seen before), which attend to all spans at their new positions. Each span's KV was
+    computed alone, so span tokens never attended to other spans: exact for Block-Attention-
+    trained models, an approximation for others.
+    """
+
+    mode = Mode.BLOCK_ATTENTION
+
+    def system_cost(self, n: int) -> int:
+        return padded(n, self.block_size)
+
+    def span_cost(self, n: int) -> int:
+        return padded(n + 1, self.block_size) if n > 0 else 0
+
+    def question_cost(self, n: int) -> int:
+        return n + 1
+
+    def write(self, out: LayoutWriter, parts: PromptParts) -> None:
+        self._write_system(out, parts)
+        for span in parts.spans:
+            out.add("span", span.token_ids, reuse="span", marker="ssep", span_id=span.span_id,
+                    span_index=span.index, part="whole")
+            out.pad_to_block(reuse="span", span_id=span.span_id, span_index=span.index)
+        self._write_question(out, parts)
+
+
+class PrefixLayout(Layout):
+    """The baseline: no position-independent caching, no special tokens.
+
+    Layout::
+
+        |sys d1 d2 ... q|   (plain concatenation, no markers, no padding)
+
+    The engine's hasher sees no marker, so it behaves exactly like stock vLLM prefix caching.
+    The only prefill is the system span alone, ``[sys]``. Reused: the full blocks inside the
+    system span, ``floor(len(sys) / block_size)`` blocks (capped by the last-token rule).
+    Recomputed: everything from the block holding the end of the system span. (Repeating an
+    identical document sequence would also hit by plain prefix caching; that is not counted.)
+    The segments still report where the system prompt, each span and the question are.
+    """
+
+    mode = Mode.PREFIX
+
+    def system_cost(self, n: int) -> int:
+        return n
+
+    def span_cost(self, n: int) -> int:
+        return n
+
+    def question_cost(self, n: int) -> int:
+        return n
+
+    def write(self, out: LayoutWriter, parts: PromptParts) -> None:
+        out.add("system", parts.system, reuse="prefix", span_id=parts.system_id)
+        for span in parts.spans:
+            out.add("span", span.token_ids, reuse="none", span_id=span.span_id,
+                    span_index=span.index, part="whole")
+        out.add("question", parts.question, reuse="none")
+
+
+class BoundaryRecomputeLayout(Layout):
+    """Span reuse with each span's opening recomputed in context (MEPIC / EPIC style).
+
+    With ``k = recompute_tokens`` (default ``block_size - 1``: the opening fills one block)::
+
+        |sys _|P d1[:k] _|S d1[k:] ... _|P d2[:k] _|S d2[k:] ... _|P q ...|
+               ^ head: recomputed  ^ body: reused
+
+    Why this layout: the head must be computed in the final prompt, so its hash must depend on
+    what precedes it — a PDEP-led block. The body must hash exactly as in a prefill that ran
+    without this prompt; its chain cannot continue from a prompt-dependent head, so it restarts
+    with SSEP. Span prefill i is therefore ``[S d_i[k:] _...]``, the body alone: its KV then
+    depends on exactly what its hashes cover (a prefill that also contained the head would let two
+    documents with the same body but different openings share KV they must not share). In the
+    body's isolated computation the SSEP token, not the document's opening, is the first token
+    (the attention sink); the opening itself is computed in context, attending to everything
+    before it. ``k < block_size - 1`` recomputes only the first ``k`` tokens (EPIC), padding the
+    rest of the head block; ``k >= block_size`` recomputes several blocks. A span with at most
+    ``k`` tokens is all head: recomputed, no prefill.
+
+    Reused — be precise here: the body blocks hash like their prefills, so they are *cached*, but
+    vLLM's lookup stops at the first miss and computes everything after it contiguously. With a
+    stock lookup the first head ends the hit: ``expected_cached_tokens`` = the system span only,
+    and spans, heads and question are all recomputed (in context, so outputs are those of a full
+    prefill of these tokens). The bodies are reused only by an engine whose lookup continues past
+    PDEP-led blocks and computes the holes; ``reusable_tokens`` counts that potential.
+    """
+
+    mode = Mode.BOUNDARY_RECOMPUTE
+
+    def __init__(self, config: SpanConfig, recompute_tokens: int | None = None) -> None:
+        super().__init__(config)
+        k = config.block_size - 1 if recompute_tokens is None else recompute_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InvalidInputError(f"recompute_tokens must be an int >= 1, got {k!r}")
+        self.recompute_tokens = k
+
+    def system_cost(self, n: int) -> int:
+        return padded(n, self.block_size)
+
+    def span_cost(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        head = min(n, self.recompute_tokens)
+        body = n - head
+        cost = padded(head + 1, self.block_size)
+        return cost + padded(body + 1, self.block_size) if body else cost
+
+    def question_cost(self, n: int) -> int:
+        return n + 1
+
+    def write(self, out: LayoutWriter, parts: PromptParts) -> None:
+        self._write_system(out, parts)
+        k = self.recompute_tokens
+        for span in parts.spans:
+            head, body = span.token_ids[:k], span.token_ids[k:]
+            out.add("span", head, reuse="none", marker="pdep", span_id=span.span_id,
+                    span_index=span.index, part="head")
+            out.pad_to_block(reuse="none", span_id=span.span_id, span_index=span.index)
+            if body:
+                out.add("span", body, reuse="span", marker="ssep", span_id=span.span_id,
+                        span_index=span.index, part="body")
+                out.pad_to_block(reuse="span", span_id=span.span_id, span_index=span.index)
+        self._write_question(out, parts)
+
+
+def make_layout(mode: Mode, config: SpanConfig, recompute_tokens: int | None = None) -> Layout:
+    if mode is Mode.BOUNDARY_RECOMPUTE:
+        return BoundaryRecomputeLayout(config, recompute_tokens)
+    if recompute_tokens is not None:
+        raise InvalidInputError(f"recompute_tokens applies to boundary_recompute, not {mode}")
+    if mode is Mode.BLOCK_ATTENTION:
+        return BlockAttentionLayout(config)
+    return PrefixLayout(config)
