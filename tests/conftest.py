@@ -1,0 +1,122 @@
+"""Shared fixtures: ONE real vLLM engine per configuration per test session, and a real
+`minipic serve` process for HTTP tests.
+
+Engine start-up is ~25-35 s on 2 cores (eager), so engines are created lazily on first use and
+kept; at most ``MAX_ALIVE`` stay up at once (least recently used is shut down) to bound memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# profile name -> EngineSettings overrides. fp32 so outputs can be compared tightly.
+ENGINE_PROFILES: dict[str, dict[str, Any]] = {
+    "smol_pic": dict(model=None, pic=True),
+    "smol_stock": dict(model=None, pic=False),
+    "tiny_pic": dict(model="tiny-llama", pic=True),
+    "tiny_stock": dict(model="tiny-llama", pic=False),
+    "tiny_hash_only": dict(model="tiny-llama", pic=True, features=("hash",)),
+}
+MAX_ALIVE = 3
+
+
+class EnginePool:
+    """Lazily started, shared in-process engines keyed by profile name."""
+
+    def __init__(self) -> None:
+        self._alive: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def get(self, profile: str) -> Any:
+        from minipic.engine_config import EngineSettings, build_llm, close_llm
+
+        if profile in self._alive:
+            self._alive.move_to_end(profile)
+            return self._alive[profile]
+        while len(self._alive) >= MAX_ALIVE:
+            _, old = self._alive.popitem(last=False)
+            close_llm(old)
+        settings = EngineSettings(max_model_len=2048, **ENGINE_PROFILES[profile])
+        llm = build_llm(settings)
+        self._alive[profile] = llm
+        return llm
+
+    def close(self) -> None:
+        from minipic.engine_config import close_llm
+
+        while self._alive:
+            _, llm = self._alive.popitem(last=False)
+            close_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def engines() -> Iterator[EnginePool]:
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A real `minipic serve` subprocess on a free loopback port."""
+
+    def __init__(self, *args: str, log_path: str | None = None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.log_path = log_path or f"/tmp/minipic-serve-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        import httpx
+
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "minipic.cli", "serve", "--port", str(self.port), *self.args],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"minipic serve exited early; see {self.log_path}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"minipic serve not healthy after {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def smol_server() -> Iterator[ServerProcess]:
+    """`minipic serve` with the default model and the plugin on (shared by HTTP tests)."""
+    server = ServerProcess("--max-model-len", "2048").start()
+    yield server
+    server.stop()
