@@ -1,0 +1,51 @@
+"""``minipic bench``: the numbers users choose us by (JSON + PNG plots under ``results/``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from minipic.bench.runner import PHASES
+
+
+def add_subparser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="paper-style evaluation: throughput, TTFT, agent memory, accuracy",
+        description=(
+            "Runs stock vLLM (prefix caching, plugin off) and minipic side by side in one "
+            "process on the default model and writes results/bench.json plus PNG plots. "
+            "Phases: throughput (vanilla vs minipic barrier vs ISPS, PIC-off overhead), ttft "
+            "(~2k-token contexts, sweeps over span count and length), agent (tool memory), "
+            "accuracy (full attention vs block_attention vs boundary_recompute). About 10 "
+            "minutes at --scale 1 on 2 cores."
+        ),
+    )
+    p.add_argument("--out", type=Path, default=Path("results"), help="output folder")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply workload sizes (default 1.0; e.g. 0.3 for a quick look)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help=f"comma-separated subset of {','.join(PHASES)}")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from minipic.bench.plots import write_plots
+    from minipic.bench.runner import run_sync
+    from minipic.bench.summary import summary_table
+
+    console = Console()
+    phases = [p for p in args.phases.split(",") if p]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        console.print(f"[red]unknown phases {sorted(unknown)}; choose from {PHASES}")
+        return 2
+    with console.status("starting…") as status:
+        report = run_sync(args.out, phases, args.scale, args.seed,
+                          lambda msg: status.update(f"[bold]bench[/] {msg}"))
+    plots = write_plots(report, args.out)
+    console.print(summary_table(report))
+    console.print(f"wrote {args.out / 'bench.json'} and {', '.join(str(p) for p in plots)}")
+    return 0

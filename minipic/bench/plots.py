@@ -1,0 +1,74 @@
+"""PNG figures for ``minipic bench`` (people would rather look than read)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    if "throughput" in report:
+        systems = report["throughput"]["systems"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        names = list(systems)
+        ax.bar(names, [systems[n]["samples_per_s"] for n in names],
+               color=["#888", "#aaa", "#6a9fd8", "#1f5fa8"][: len(names)])
+        ax.set_ylabel("samples / s")
+        ax.set_title("RAG throughput (2Wiki-shaped, same engine build)")
+        ax.tick_params(axis="x", labelrotation=15)
+        save(fig, "throughput.png")
+
+    if "ttft" in report:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        for ax, key, xkey, label in ((axes[0], "vs_spans", "spans", "number of spans"),
+                                     (axes[1], "vs_span_len", "span_tokens", "tokens per span")):
+            rows = report["ttft"][key]
+            xs = [r[xkey] for r in rows]
+            ax.plot(xs, [r["vanilla_p50_s"] * 1000 for r in rows], "o-", label="vanilla vLLM")
+            ax.plot(xs, [r["minipic_p50_s"] * 1000 for r in rows], "o-", label="minipic (warm)")
+            ax.set_xlabel(label)
+            ax.set_ylabel("TTFT p50 (ms)")
+            ax.set_yscale("log")
+            ax.legend()
+        fig.suptitle("Time to first token when the documents were seen before")
+        save(fig, "ttft_sweeps.png")
+
+    if "accuracy" in report:
+        acc = report["accuracy"]
+        fig, ax = plt.subplots(figsize=(5.5, 3.5))
+        for name, row in acc.items():
+            ax.scatter(row["ttft_p50_s"] * 1000, row["accuracy"], s=60)
+            ax.annotate(name, (row["ttft_p50_s"] * 1000, row["accuracy"]),
+                        textcoords="offset points", xytext=(5, 5))
+        ax.set_xlabel("TTFT p50 (ms)")
+        ax.set_ylabel("accuracy (gold substring)")
+        ax.set_title("Answer quality vs latency per mode")
+        save(fig, "accuracy_vs_ttft.png")
+
+    if "agent" in report:
+        rows = report["agent"]["turns"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        turns = [r["turn"] for r in rows]
+        ax.plot(turns, [r["prompt_tokens"] for r in rows], "k--", label="prompt tokens")
+        ax.plot(turns, [r["minipic_cached"] for r in rows], "o-", label="minipic cached")
+        ax.plot(turns, [r["vanilla_cached"] for r in rows], "o-", label="vanilla cached")
+        ax.set_xlabel("agent turn")
+        ax.set_ylabel("tokens")
+        ax.legend()
+        ax.set_title("Agent tool memory: tools/memories reordered every turn")
+        save(fig, "agent_memory.png")
+    return written
