@@ -7,7 +7,10 @@ orchestrator, the tests) set together with the span configuration. When enabled 
 
 * ``hash``  — SSEP/PDEP block hashing (``engine_ext/span_hashing.py``; used in the EngineCore);
 * ``rope``  — unrotated keys + RoPE inside attention (``engine_ext/rope_attention_backend.py`` and
-  ``engine_ext/unrotated_keys.py``; used in the worker), when that module is present.
+  ``engine_ext/unrotated_keys.py``; used in the worker), when that module is present;
+* ``ckpt``  — sparse recurrent-state checkpoints for hybrid models
+  (``engine_ext/recurrent_checkpoints.py``; used in the EngineCore, settings in
+  ``MINIPIC_CKPT_CONFIG``). Not on by default; hybrid engines run with it instead of ``hash``.
 
 Patching is idempotent: vLLM may call ``register()`` more than once per process.
 """
@@ -49,6 +52,11 @@ def register() -> None:
         if rope_attention_backend is not None:
             rope_attention_backend.install(config)
             installed.add("rope")
+    if "ckpt" in features:
+        from engine_ext import recurrent_checkpoints
+
+        recurrent_checkpoints.install()
+        installed.add("ckpt")
     _STATE.update(installed=frozenset(installed), config=config)
     logger.warning(
         "minipic plugin active in pid %d: features=%s block_size=%d ssep_id=%d pdep_id=%d "

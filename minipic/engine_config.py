@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from engine_ext.checkpoint_policy import CheckpointConfig
 from minipic.span_config import ALL_FEATURES, SpanConfig
 
 PLUGIN_NAME = "minipic"
@@ -32,6 +33,10 @@ class EngineSettings(BaseModel):
     features: tuple[str, ...] = ALL_FEATURES
     span_config: SpanConfig | None = Field(None, description="None = the model family's default")
     gpu_memory_utilization: float = 0.3
+    prefix_caching: bool = Field(
+        True, description="False = vLLM without prefix caching (the exactness baseline)")
+    ckpt: CheckpointConfig | None = Field(
+        None, description="sparse recurrent checkpoints (feature `ckpt`); None = defaults")
     extra: dict[str, Any] = Field(default_factory=dict)
 
     def resolved(self) -> EngineSettings:
@@ -55,21 +60,33 @@ class EngineSettings(BaseModel):
         if self.pic:
             assert self.span_config is not None, "call resolved() first"
             env.update(self.span_config.to_env(self.features))
+            if "ckpt" in self.features:
+                env.update((self.ckpt or CheckpointConfig()).to_env())
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE",
                                                                 DEFAULT_CPU_KVCACHE_GIB))
         return env
+
+    @property
+    def uses_ckpt(self) -> bool:
+        return self.pic and "ckpt" in self.features
+
+    def _ckpt_engine_args(self) -> dict[str, Any]:
+        """Sparse checkpoints choose every retained recurrent state themselves: vLLM must add
+        no periodic ones (retention interval 0, its default, stated so that it stays so)."""
+        return {"prefix_cache_retention_interval": 0} if self.uses_ckpt else {}
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``."""
         return {
             "model": self.model,
-            "enable_prefix_caching": True,
+            "enable_prefix_caching": self.prefix_caching,
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
             "dtype": self.dtype,
             "enforce_eager": self.enforce_eager,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "disable_log_stats": False,
+            **self._ckpt_engine_args(),
             **self.extra,
         }
 
@@ -85,11 +102,14 @@ class EngineSettings(BaseModel):
             "--max-model-len", str(self.max_model_len),
             "--dtype", self.dtype,
             "--gpu-memory-utilization", str(self.gpu_memory_utilization),
-            "--enable-prefix-caching",
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
             "--enable-prompt-tokens-details",
         ]
         if self.enforce_eager:
             argv.append("--enforce-eager")
+        for key, value in self._ckpt_engine_args().items():
+            if key not in self.extra:
+                argv += ["--" + key.replace("_", "-"), str(value)]
         for key, value in self.extra.items():
             flag = "--" + key.replace("_", "-")
             if value is True:

