@@ -1,0 +1,80 @@
+"""The client-side runtime: span prefills, ISPS scheduling, warmth tracking, and the RAG SDK.
+
+Start with ``Orchestrator.embedded()`` (in-process vLLM) or ``Orchestrator.connect(url)``
+(``minipic serve``), then ``await orc.answer(question, documents=[...])``; sync code uses
+``SyncOrchestrator`` with the same methods. Modules, in the order a request passes them:
+
+- ``client`` / ``sync_client``: the SDK surface (``Orchestrator``, ``SyncOrchestrator``)
+- ``scheduler``: where the schedule is decided (ISPS or barrier, de-dup, retries, re-warm)
+- ``warmth``: what is believed warm, and the check of that belief against cached-token counts
+- ``slots``: bounded in-flight engine requests, oldest question first
+- ``backends`` / ``embedded_backend`` / ``http_backend``: the engine interface and its two forms
+- ``errors``, ``results``, ``retry``: what callers catch, read and tune
+- ``langchain_adapter``, ``wiki_retriever``: LangChain integration (imported on first use)
+- ``corpus``: the offline Wikipedia corpus and question set
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.backends import BackendInfo, Completion, EngineBackend, Sampling
+from orchestrator.client import Orchestrator, Question
+from orchestrator.errors import (
+    BadInputError,
+    CacheMismatchError,
+    ConfigMismatchError,
+    EngineError,
+    EngineUnreachableError,
+    MinipicError,
+    RequestTimeoutError,
+    SpanTooLongError,
+)
+from orchestrator.results import Answer, SpanStatus
+from orchestrator.retry import RetryPolicy
+from orchestrator.scheduler import SchedulerEvent, SchedulerOptions
+from orchestrator.sync_client import SyncOrchestrator
+from orchestrator.warmth import WarmthRegistry
+
+_LAZY = {
+    "SpanRAGRunnable": "orchestrator.langchain_adapter",
+    "documents_to_spans": "orchestrator.langchain_adapter",
+    "WikiRetriever": "orchestrator.wiki_retriever",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """LangChain pieces load on first use (langchain-core is slow to import)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
+
+
+__all__ = [
+    "Answer",
+    "BackendInfo",
+    "BadInputError",
+    "CacheMismatchError",
+    "Completion",
+    "ConfigMismatchError",
+    "EngineBackend",
+    "EngineError",
+    "EngineUnreachableError",
+    "MinipicError",
+    "Orchestrator",
+    "Question",
+    "RequestTimeoutError",
+    "RetryPolicy",
+    "Sampling",
+    "SchedulerEvent",
+    "SchedulerOptions",
+    "SpanRAGRunnable",
+    "SpanStatus",
+    "SpanTooLongError",
+    "SyncOrchestrator",
+    "WarmthRegistry",
+    "WikiRetriever",
+    "documents_to_spans",
+]

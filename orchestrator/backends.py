@@ -1,0 +1,81 @@
+"""The one interface the scheduler talks to, whatever runs the model.
+
+Why a protocol this small: the scheduler only ever needs "run these token ids, tell me the text,
+how many prompt tokens were cached and when the first token came", plus "forget the cache". An
+in-process ``AsyncLLM`` (``embedded_backend``) and ``minipic serve`` over HTTP (``http_backend``)
+both fit it, and so does a test's counting wrapper around either. Everything span-aware — which
+prefills to send, when, and what a cached-token count means — stays above this line.
+
+Backends raise ``orchestrator.errors`` types only: ``EngineUnreachableError`` when the engine
+cannot be reached (retryable), ``EngineError`` with ``retryable`` set for engine-side failures,
+``BadInputError`` when the engine rejects the request itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minipic.span_config import SpanConfig
+
+
+class Sampling(BaseModel):
+    """Generation settings shared by both backends (greedy by default: answers are comparable)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+class Completion(BaseModel):
+    """What one engine request returned."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens the engine took from its prefix cache
+    ttft_s: float  # request sent -> first output token received
+    latency_s: float  # request sent -> last output received
+    finish_reason: str | None = None
+
+
+class BackendInfo(BaseModel):
+    """What the orchestrator must know about the engine behind a backend."""
+
+    kind: str  # "embedded" | "http"
+    model: str  # model folder (embedded) or served model name (http)
+    tokenizer: str  # local folder the prompt builder loads its tokenizer from
+    max_model_len: int
+    span_config: SpanConfig | None  # None: the minipic plugin is off (stock vLLM caching)
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    """An engine that runs token-id prompts with prefix caching."""
+
+    info: BackendInfo
+
+    async def generate(
+        self,
+        token_ids: Sequence[int],
+        *,
+        sampling: Sampling,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> Completion:
+        """Run one prompt to completion; ``ttft_s`` is measured from the moment it is sent."""
+        ...
+
+    async def reset_cache(self) -> None:
+        """Drop every cached block (tests, benchmarks, and recovering from a known-stale cache)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the engine or connections. Idempotent."""
+        ...

@@ -1,0 +1,346 @@
+"""``Orchestrator``: the async RAG SDK — question + documents in, answer + cache evidence out.
+
+The path of one call: ``answer`` -> ``prompt_builder`` lays the prompt out (spans padded to
+blocks, SSEP / PDEP placed, prefills listed) -> ``Scheduler`` warms the spans and sends the final
+prompt (ISPS) -> an ``EngineBackend`` runs it (in-process ``AsyncLLM`` or ``minipic serve``).
+
+Both constructors check that the prompt builder and the engine agree on the span configuration
+(block size, SSEP / PDEP / PAD ids): a disagreement does not fail loudly in the engine, spans just
+never hit, so it is refused here with ``ConfigMismatchError``.
+
+Use one event loop for an orchestrator's lifetime (the embedded engine is bound to it); from sync
+code use ``SyncOrchestrator``, which owns a loop thread and has the same methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ValidationError as PydanticValidationError
+
+from orchestrator.backends import EngineBackend, Sampling
+from orchestrator.errors import (
+    BadInputError,
+    ConfigMismatchError,
+    MinipicError,
+    from_build_error,
+    with_index,
+)
+from orchestrator.results import Answer
+from orchestrator.scheduler import Job, Policy, Scheduler, SchedulerEvent, SchedulerOptions
+from orchestrator.warmth import WarmthRegistry
+from prompt_builder import (
+    BudgetPolicy,
+    BuiltPrompt,
+    EngineMismatchError,
+    Mode,
+    PromptBuilder,
+    PromptBuildError,
+    Span,
+)
+from prompt_builder.modes import coerce_mode
+
+Document = str | Span | Mapping[str, Any]
+
+
+class Question(BaseModel):
+    """One item of ``answer_many``; unset fields take the call's defaults."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    question: str
+    documents: Sequence[Any] = Field(default_factory=list)
+    system: str | None = None
+    mode: Mode | None = None
+    cache_salt: str | None = None
+
+
+def _coerce_options(options: SchedulerOptions | Mapping[str, Any] | None) -> SchedulerOptions:
+    if options is None or isinstance(options, SchedulerOptions):
+        return options or SchedulerOptions()
+    try:
+        return SchedulerOptions.model_validate(dict(options))
+    except PydanticValidationError as exc:
+        raise BadInputError(f"invalid scheduler options: {exc}") from None
+
+
+def _sampling(kwargs: Mapping[str, Any]) -> Sampling:
+    try:
+        return Sampling(**kwargs)
+    except PydanticValidationError as exc:
+        known = ", ".join(Sampling.model_fields)
+        raise BadInputError(f"invalid sampling arguments (known: {known}): {exc}") from None
+
+
+def _coerce_question(item: Any, index: int) -> Question:
+    if isinstance(item, Question):
+        return item
+    if isinstance(item, str):
+        return Question(question=item)
+    if isinstance(item, Mapping):
+        try:
+            return Question.model_validate(dict(item))
+        except PydanticValidationError as exc:
+            raise BadInputError(f"question {index}: {exc}", question_index=index) from None
+    if isinstance(item, tuple) and len(item) == 2:
+        return Question(question=item[0], documents=list(item[1]))
+    raise BadInputError(
+        f"question {index}: expected str, Question, mapping or (question, documents), got "
+        f"{type(item).__name__}", question_index=index,
+    )
+
+
+class Orchestrator:
+    """Async span-aware RAG client over one engine backend."""
+
+    def __init__(
+        self,
+        backend: EngineBackend,
+        builder: PromptBuilder | None = None,
+        *,
+        options: SchedulerOptions | Mapping[str, Any] | None = None,
+        registry: WarmthRegistry | None = None,
+    ) -> None:
+        info = backend.info
+        if builder is None:
+            ids = info.span_config.model_dump(exclude={"block_size"}) if info.span_config else {}
+            block_size = info.span_config.block_size if info.span_config else 32
+            builder = PromptBuilder.from_pretrained(
+                info.tokenizer, block_size=block_size, max_model_len=info.max_model_len, **ids
+            )
+        if info.span_config is not None:
+            try:
+                builder.check_engine(info.span_config)
+            except EngineMismatchError as exc:
+                raise ConfigMismatchError(f"{info.kind} engine {info.model}: {exc}") from None
+        self.backend = backend
+        self.builder = builder
+        self.scheduler = Scheduler(backend, _coerce_options(options), registry)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def embedded(
+        cls,
+        model: str | None = None,
+        *,
+        options: SchedulerOptions | Mapping[str, Any] | None = None,
+        **engine_args: Any,
+    ) -> Orchestrator:
+        """Start vLLM's ``AsyncLLM`` in this process with the minipic plugin on.
+
+        ``model``: a model folder, ``"tiny-llama"``, or None for the default SmolLM2-135M.
+        ``engine_args``: ``EngineSettings`` fields (``block_size``, ``max_model_len``, ``pic``,
+        ``features``, ...) and any other vLLM engine argument. Blocks while the model loads (tens
+        of seconds on CPU); scripts that call it need an ``if __name__ == "__main__":`` guard.
+        """
+        from orchestrator.embedded_backend import EmbeddedBackend, settings_from_args
+
+        try:
+            settings = settings_from_args(model, engine_args)
+        except (PydanticValidationError, ValueError) as exc:
+            raise BadInputError(f"invalid engine arguments: {exc}") from None
+        backend = EmbeddedBackend.start(settings)
+        try:
+            span = settings.span_config
+            assert span is not None
+            builder = PromptBuilder.from_pretrained(
+                settings.model, block_size=span.block_size, ssep_id=span.ssep_id,
+                pdep_id=span.pdep_id, pad_id=span.pad_id, max_model_len=settings.max_model_len,
+            )
+            return cls(backend, builder, options=options)
+        except BaseException:
+            backend.close()
+            raise
+
+    @classmethod
+    def connect(
+        cls,
+        base_url: str,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        options: SchedulerOptions | Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        allow_plugin_off: bool = False,
+    ) -> Orchestrator:
+        """Talk to ``minipic serve`` at ``base_url`` (blocking: two GETs to check it).
+
+        ``model``: the served model name (None: the only one). ``tokenizer``: local model folder
+        for the prompt builder (None: the server's model folder if it exists here, else minipic's
+        default model). Raises ``EngineUnreachableError`` when nothing answers and
+        ``ConfigMismatchError`` when the server's span configuration differs from the builder's.
+        """
+        from orchestrator.http_backend import HttpBackend
+
+        backend = HttpBackend.connect(base_url, model, tokenizer, headers=headers,
+                                      allow_plugin_off=allow_plugin_off)
+        return cls(backend, options=options)
+
+    # -- configuration --------------------------------------------------------------------------
+
+    @property
+    def options(self) -> SchedulerOptions:
+        return self.scheduler.options
+
+    @options.setter
+    def options(self, value: SchedulerOptions | Mapping[str, Any]) -> None:
+        self.scheduler.options = _coerce_options(value)
+
+    def configure(self, **changes: Any) -> SchedulerOptions:
+        """Change scheduler options in place (e.g. ``configure(policy="barrier")``)."""
+        self.options = self.options.model_dump() | changes
+        return self.options
+
+    @property
+    def registry(self) -> WarmthRegistry:
+        return self.scheduler.registry
+
+    @contextlib.contextmanager
+    def record_events(self) -> Iterator[list[SchedulerEvent]]:
+        """Collect the scheduler's events while the block runs (the list fills as it runs)."""
+        log: list[SchedulerEvent] = []
+        self.scheduler.listeners.append(log.append)
+        try:
+            yield log
+        finally:
+            self.scheduler.listeners.remove(log.append)
+
+    # -- prompts --------------------------------------------------------------------------------
+
+    def build(
+        self,
+        question: str,
+        documents: Sequence[Document] = (),
+        system: str | None = None,
+        mode: Mode | str = Mode.BLOCK_ATTENTION,
+        *,
+        max_tokens: int = 64,
+        budget: BudgetPolicy | str = BudgetPolicy.ERROR,
+        require_documents: bool = True,
+    ) -> BuiltPrompt:
+        """The prompt ``answer`` would send, or ``BadInputError`` / ``SpanTooLongError``."""
+        if not isinstance(question, str) or not question.strip():
+            raise BadInputError("question is empty" if isinstance(question, str)
+                                else f"question must be a str, got {type(question).__name__}")
+        if isinstance(documents, (str, bytes)):
+            raise BadInputError("documents must be a list of documents, not one string")
+        if require_documents and not documents:
+            raise BadInputError("no documents given (pass require_documents=False to answer "
+                                "from the model alone)")
+        try:
+            chosen = coerce_mode(mode)
+            if self.backend.info.span_config is None and chosen is not Mode.PREFIX:
+                raise BadInputError(f"the engine runs without the minipic plugin; mode "
+                                    f"'{chosen.value}' needs it (use mode='prefix')")
+            return self.builder.build(
+                question=question, system=system, spans=list(documents), mode=mode,
+                max_tokens=max_tokens, budget=budget,
+            )
+        except PromptBuildError as exc:
+            raise from_build_error(exc) from exc
+
+    # -- answering ------------------------------------------------------------------------------
+
+    async def answer(
+        self,
+        question: str,
+        documents: Sequence[Document] = (),
+        system: str | None = None,
+        mode: Mode | str = Mode.BLOCK_ATTENTION,
+        *,
+        cache_salt: str | None = None,
+        budget: BudgetPolicy | str = BudgetPolicy.ERROR,
+        require_documents: bool = True,
+        skip_warm: bool | None = None,
+        **sampling: Any,
+    ) -> Answer:
+        """Answer one question from ``documents`` (each one a cacheable span).
+
+        ``sampling``: ``max_tokens`` (64), ``temperature`` (0), ``top_p``, ``seed``, ``stop``.
+        ``cache_salt`` scopes the cache (tenants never share spans across salts). Raises a
+        ``MinipicError`` subclass on failure.
+        """
+        params = _sampling(sampling)
+        prompt = self.build(question, documents, system, mode, max_tokens=params.max_tokens,
+                            budget=budget, require_documents=require_documents)
+        job = Job(0, question, prompt, params, cache_salt)
+        (result,) = await self.scheduler.run([job], skip_warm=skip_warm)
+        if isinstance(result, MinipicError):
+            result.question_index = None
+            raise result
+        return result
+
+    async def answer_many(
+        self,
+        questions: Sequence[Question | str | Mapping[str, Any] | tuple[str, Sequence[Document]]],
+        documents: Sequence[Document] | None = None,
+        system: str | None = None,
+        mode: Mode | str = Mode.BLOCK_ATTENTION,
+        *,
+        cache_salt: str | None = None,
+        budget: BudgetPolicy | str = BudgetPolicy.ERROR,
+        require_documents: bool = True,
+        policy: Policy | None = None,
+        skip_warm: bool | None = None,
+        **sampling: Any,
+    ) -> list[Answer | MinipicError]:
+        """Answer a batch with ISPS (or ``policy="barrier"``). One result per question, in order:
+        an ``Answer`` or the ``MinipicError`` that question ended with (``question_index`` set);
+        bad input in one question does not stop the others.
+
+        Each item is a ``Question``, a mapping of its fields, a ``(question, documents)`` pair,
+        or a bare question string that uses ``documents``; ``system``, ``mode`` and
+        ``cache_salt`` are defaults for items that do not set them.
+        """
+        if isinstance(questions, str):
+            raise BadInputError("questions must be a list, not one string")
+        params = _sampling(sampling)
+        results: list[Answer | MinipicError | None] = [None] * len(questions)
+        jobs: list[Job] = []
+        for i, item in enumerate(questions):
+            try:
+                q = _coerce_question(item, i)
+                docs = q.documents if q.documents or documents is None else documents
+                prompt = self.build(q.question, docs, q.system if q.system is not None
+                                    else system, q.mode or mode, max_tokens=params.max_tokens,
+                                    budget=budget, require_documents=require_documents)
+                jobs.append(Job(i, q.question, prompt, params, q.cache_salt or cache_salt))
+            except MinipicError as exc:
+                results[i] = with_index(exc, i)
+        for job, result in zip(jobs, await self.scheduler.run(jobs, policy=policy,
+                                                              skip_warm=skip_warm), strict=True):
+            results[job.index] = result
+        done = [r for r in results if r is not None]
+        assert len(done) == len(results), "every question ends as an answer or an error"
+        return done
+
+    async def warm(
+        self,
+        documents: Sequence[Document],
+        system: str | None = None,
+        *,
+        mode: Mode | str = Mode.BLOCK_ATTENTION,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Prefill these documents' spans now (e.g. a corpus, or an agent's tool descriptions)
+        so later questions find them warm. Returns how many prefills it sent."""
+        prompt = self.build("?", documents, system, mode, max_tokens=1)
+        return await self.scheduler.prewarm(prompt, cache_salt)
+
+    async def reset_cache(self) -> None:
+        """Empty the engine's prefix cache and forget what was warm."""
+        await self.backend.reset_cache()
+        self.registry.reset()
+
+    async def aclose(self) -> None:
+        await self.backend.aclose()
+
+    async def __aenter__(self) -> Orchestrator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

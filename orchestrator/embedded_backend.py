@@ -1,0 +1,164 @@
+"""``EmbeddedBackend``: vLLM's ``AsyncLLM`` in this process, with the minipic plugin on.
+
+Why AsyncLLM and not ``vllm.LLM``: ISPS needs many requests in flight at once (span prefills
+overlapping other requests' decodes) and a first-token timestamp per request; ``LLM.generate`` is
+a blocking batch call. ``AsyncLLM.generate`` is an async generator; with ``output_kind=DELTA``
+every step's new tokens arrive as they are produced, so the first item's arrival is the TTFT.
+
+One event loop per engine: AsyncLLM starts its output-handler task on the loop of its first
+request, and a second loop would wait forever on outputs that go to the first. The backend
+remembers its loop and refuses another one with a clear error (``SyncOrchestrator`` gives the
+engine a private loop thread, which is how to use it from sync code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from minipic.engine_config import EngineSettings
+from orchestrator.backends import BackendInfo, Completion, Sampling
+from orchestrator.errors import BadInputError, EngineError, MinipicError
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """Plugin variables for the engine processes started inside the block, restored after."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def settings_from_args(model: str | None, engine_args: dict[str, Any]) -> EngineSettings:
+    """``EngineSettings`` from ``embedded()``'s keywords: known fields by name, the rest are
+    passed to vLLM unchanged (``extra``)."""
+    known = {k: v for k, v in engine_args.items() if k in EngineSettings.model_fields}
+    extra = {k: v for k, v in engine_args.items() if k not in EngineSettings.model_fields}
+    extra = {**known.pop("extra", {}), **extra}
+    return EngineSettings(model=model, extra=extra, **known).resolved()
+
+
+class EmbeddedBackend:
+    """In-process engine. Build with ``EmbeddedBackend.start(settings)`` (blocks while vLLM
+    loads the model, tens of seconds on CPU)."""
+
+    def __init__(self, engine: Any, settings: EngineSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.info = BackendInfo(
+            kind="embedded", model=str(settings.model), tokenizer=str(settings.model),
+            max_model_len=settings.max_model_len,
+            span_config=settings.span_config if settings.pic else None,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    @classmethod
+    def start(cls, settings: EngineSettings) -> EmbeddedBackend:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        with _environ(settings.plugin_env()):
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings.llm_kwargs()))
+        backend = cls(engine, settings)
+        # Imports during start-up may store an exception whose traceback keeps this frame
+        # alive; it must not keep the engine alive past close() too.
+        del engine
+        return backend
+
+    def _check_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise MinipicError(
+                "this embedded engine is bound to the event loop of its first request; use one "
+                "loop for its lifetime (or SyncOrchestrator, which keeps one for you)"
+            )
+        if self._closed:
+            raise EngineError("the embedded engine was closed")
+
+    async def generate(
+        self,
+        token_ids: Sequence[int],
+        *,
+        sampling: Sampling,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> Completion:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._check_loop()
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+            top_p=sampling.top_p, seed=sampling.seed, stop=list(sampling.stop) or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        rid = request_id or f"minipic-{uuid.uuid4().hex}"
+        sent = time.perf_counter()
+        first: float | None = None
+        text: list[str] = []
+        out_ids: list[int] = []
+        cached = 0
+        finish: str | None = None
+        try:
+            async for out in self.engine.generate(prompt, params, rid):
+                if first is None:
+                    first = time.perf_counter()
+                if out.num_cached_tokens is not None:
+                    cached = max(cached, out.num_cached_tokens)
+                for choice in out.outputs[:1]:
+                    text.append(choice.text)
+                    out_ids.extend(choice.token_ids)
+                    finish = choice.finish_reason or finish
+        except EngineDeadError as exc:
+            raise EngineError(f"the embedded vLLM engine died: {exc}") from exc
+        except (VLLMClientError, ValueError) as exc:
+            # keep the cause, not its frames: they pin the engine alive past close()
+            raise BadInputError(f"the engine rejected the request: {exc}") from (
+                exc.with_traceback(None))
+        done = time.perf_counter()
+        return Completion(
+            text="".join(text), token_ids=out_ids, prompt_tokens=len(token_ids),
+            cached_tokens=cached, ttft_s=(first or done) - sent, latency_s=done - sent,
+            finish_reason=finish,
+        )
+
+    async def reset_cache(self) -> None:
+        self._check_loop()
+        if not await self.engine.reset_prefix_cache():
+            raise EngineError("the engine refused to reset its prefix cache (requests running?)",
+                              retryable=True)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the engine's processes now (idempotent; safe without a running loop)."""
+        if not self._closed:
+            self._closed = True
+            self.engine.shutdown()
+            # collect it now: AsyncLLM sits in reference cycles, and its __del__ (a second
+            # shutdown) raises if it only runs at interpreter exit, after vLLM's modules are gone
+            self.engine = None
+            gc.collect()
