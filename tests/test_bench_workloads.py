@@ -1,0 +1,51 @@
+"""The benchmark's workloads and scoring (what `minipic bench` measures on)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from minipic.bench.runner import percentile
+from minipic.bench.workloads import agent_workload, is_correct, normalize_answer, rag_workload
+
+pytestmark = pytest.mark.fast
+
+
+def word_count(text: str) -> int:
+    return len(text.split())
+
+
+def test_answer_normalisation_matches_block_attention_style_scoring():
+    assert normalize_answer("The  Brasília!") == "brasilia"
+    assert is_correct("It was founded in 1636, in Cambridge.", "1636")
+    assert is_correct("Washington D.C.", "Washington, D.C.")
+    assert not is_correct("Moscow", "Beijing")
+
+
+def test_rag_workload_is_2wiki_shaped_and_shares_passages():
+    seed = random.randrange(10**6)
+    items = rag_workload(12, word_count, seed=seed)
+    assert len(items) == 12
+    uses = Counter(doc for it in items for doc in it.documents)
+    assert max(uses.values()) > 1, f"seed {seed}: passages must recur across questions"
+    for it in items:
+        assert len(it.documents) == 10 and len(set(it.documents)) == 10
+        assert all(word_count(d) <= 150 for d in it.documents), seed
+        assert 1 <= len(it.relevant) <= 3 and it.question and it.answer
+    assert len({it.system for it in items}) > 1  # system prompts vary across clients
+    assert rag_workload(12, word_count, seed=seed) == items  # reproducible from the seed
+
+
+def test_agent_workload_reorders_tools_every_turn():
+    turns = agent_workload(5, seed=random.randrange(10**6))
+    orders = {tuple(t.documents[:6]) for t in turns}
+    assert len(orders) > 1
+    assert all(set(t.documents[:6]) == set(turns[0].documents[:6]) for t in turns)
+
+
+def test_percentile_interpolates():
+    values = [random.random() for _ in range(101)]
+    assert percentile(values, 0.5) == sorted(values)[50]
+    assert percentile(values, 0.0) == min(values) and percentile(values, 1.0) == max(values)
