@@ -80,6 +80,18 @@ def engines() -> Iterator[EnginePool]:
     pool.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_engines_after_module(engines: EnginePool) -> Iterator[None]:
+    """Shut the pool's engines down when a module that used them ends.
+
+    Each engine holds its KV cache (VLLM_CPU_KVCACHE_SPACE) plus two processes; with servers and
+    embedded orchestrators of other modules alive too, a 24 GiB machine ran out of memory. A
+    restart costs ~30 s, far less than a failed run.
+    """
+    yield
+    engines.close()  # the pool is lazy: modules that never asked for an engine cost nothing
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -127,17 +139,18 @@ class ServerProcess:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smol_server() -> Iterator[ServerProcess]:
-    """`minipic serve` with the default model and the plugin on (shared by HTTP tests)."""
+    """`minipic serve` with the default model and the plugin on (shared by a module's HTTP
+    tests; module scope so servers and engines of finished modules do not pile up in RAM)."""
     server = ServerProcess("--max-model-len", "2048").start()
     yield server
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_orchestrator() -> Iterator[Any]:
-    """ONE embedded orchestrator (tiny random Llama, plugin on) for the whole session.
+    """ONE embedded orchestrator (tiny random Llama, plugin on) per test module.
 
     A ``SyncOrchestrator``: the engine lives on the facade's own loop thread, so sync tests call
     its methods and async code runs coroutines there with ``submit`` (an embedded engine is bound
