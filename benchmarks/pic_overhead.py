@@ -217,6 +217,9 @@ def main() -> None:
         "rounds": args.rounds,
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        # vLLM pins each CPU worker to cores; on a shared host, pinning both engines to the
+        # least busy core (e.g. VLLM_CPU_OMP_THREADS_BIND=1) reduces noise.
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "load_average_start": os.getloadavg(),
         "paths": {},
     }

@@ -79,9 +79,8 @@ CUDA_BACKEND_PATH = "engine_ext.cuda_backend.MinipicCudaAttentionBackend"
 # slot. scratch / torch: every request through that path (the measured alternatives).
 ATTN_PATH_ENV = "MINIPIC_CPU_ATTN"
 ATTN_PATHS = ("auto", "scratch", "torch")
-# Number of K/V-sized regions per (block, head) page (see module docstring).
+# K/V-sized regions per (block, kv head) page: K~, V, K rotated at home (module docstring).
 NUM_REGIONS = 3
-K_UNROT, VALUE, K_HOME = 0, 1, 2
 
 _STATE: dict[str, Any] = {"installed": False}
 
@@ -184,9 +183,15 @@ class MinipicCPUAttentionBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Make room for the third region: ``3 * head_size`` elements per (token, kv head)."""
+        """Make room for the third region: ``3 * head_size`` elements per (token, kv head).
+
+        Only when the model actually stores unrotated keys (some module was converted when it
+        was built, which precedes this call): an unsupported model keeps stock pages and memory.
+        """
+        from engine_ext import unrotated_keys
+
         spec = super().customize_spec(spec)
-        if not position_free_spec(spec):
+        if not position_free_spec(spec) or unrotated_keys.converted_count() == 0:
             return spec
         itemsize = torch.tensor([], dtype=spec.dtype).element_size()
         return dataclasses.replace(

@@ -46,7 +46,7 @@ SUPPORTED_ATTENTION = (
     ("vllm.model_executor.models.qwen3", "Qwen3Attention"),
 )
 
-_STATE: dict[str, Any] = {"installed": False}
+_STATE: dict[str, Any] = {"installed": False, "converted": 0}
 
 
 class QueryOnlyRotary(torch.nn.Module):
@@ -121,10 +121,16 @@ def convert_model(model: torch.nn.Module) -> int:
             "minipic: %d attention module(s) keep stock rotated keys, so spans cannot be reused "
             "at new offsets there (first: %s: %s)", len(skipped), *first,
         )
+    _STATE["converted"] += converted
     if converted:
         logger.info("minipic: %d attention module(s) store unrotated keys; RoPE on keys is "
                     "applied inside the attention backend", converted)
     return converted
+
+
+def converted_count() -> int:
+    """Attention modules converted in this process (the backend sizes KV pages by it)."""
+    return int(_STATE["converted"])
 
 
 def install() -> None:

@@ -400,6 +400,40 @@ def test_cuda_backend_glue_in_triton_interpreter(seed: int) -> None:
     _run_scenario(attend, rope, torch.float32, gen, 2e-5, f"CUSTOM backend, seed={seed}")
 
 
+@pytest.mark.fast
+def test_query_only_rotary_and_supported_rope_variants() -> None:
+    """The model-side swap rotates q exactly as the model would and hands k through untouched;
+    only table-lookup RoPE variants (whose keys the backend can rotate later) are accepted."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from engine_ext.unrotated_keys import QueryOnlyRotary, table_lookup_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        llama3 = get_rope(head_size=128, max_position=8192, dtype=torch.float32,
+                          rope_parameters={
+                              "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 1024,
+                          })
+        yarn = get_rope(head_size=64, max_position=4096, dtype=torch.float32,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                         "original_max_position_embeddings": 1024})
+        mrope = get_rope(head_size=128, max_position=4096, dtype=torch.float32,
+                         rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24]})
+    assert table_lookup_rope(llama3) and table_lookup_rope(yarn) and table_lookup_rope(_rope(
+        torch.float32))
+    assert not table_lookup_rope(mrope)
+
+    positions = torch.arange(7) * 13
+    q, k = torch.randn(7, 4 * 128), torch.randn(7, 2 * 128)
+    expected_q, expected_k = llama3.forward_native(positions, q.clone(), k.clone())
+    out_q, out_k = QueryOnlyRotary(llama3)(positions, q.clone(), k)
+    torch.testing.assert_close(out_q, expected_q, atol=1e-5, rtol=1e-5)
+    assert out_k is k  # unrotated key goes on to self.attn
+    assert not torch.allclose(expected_k, k)
+
+
 def test_install_is_idempotent() -> None:
     """install() may run several times per process and only registers class paths."""
     from vllm.model_executor.model_loader import base_loader

@@ -37,8 +37,8 @@ from engine_ext.checkpoints import plan_checkpoints
 # a near-tied greedy token; resuming from a checkpoint differed by up to 0.032 (test runs: up to
 # 0.062; one CI run on fresh random inputs: 0.122 over 8 decoded tokens, whose bf16 roundings
 # compound). So "exact" here means: equal up to 8 bf16 rounding steps of the logits, and the same
-# greedy tokens except after a near-tie (top-2 margin within the tolerance). A state resumed from
-# the wrong position moves these logprobs by far more than that.
+# greedy tokens except after a near-tie (top-2 margin within the tolerance); cached-token counts
+# are asserted exactly, so a resume from the wrong position fails there.
 LOGPROB_TOL = 0.25
 # The tiny Qwen3-Next's recurrent block: vLLM enlarges the attention block until one attention page
 # (2 KV heads x 64 x K,V x bf16 = 512 B/token) holds one GDN layer's state (fp32 4x128x128 + bf16
