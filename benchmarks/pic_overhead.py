@@ -1,7 +1,9 @@
 """PIC-off overhead of the position-free CPU backend vs stock vLLM CPU attention.
 
     python benchmarks/pic_overhead.py                      # auto path vs stock, SmolLM2
-    python benchmarks/pic_overhead.py --paths auto scratch torch --reps 3
+    python benchmarks/pic_overhead.py --paths scratch torch --reps 2 --rounds 1 \
+        --out results/pic_overhead_alternatives.json    # the measured alternatives
+    python benchmarks/pic_overhead.py --paths stock --out /tmp/aa.json  # A/A calibration
 
 Same model (SmolLM2-135M, fp32, eager), same prompts, no special tokens (so minipic's hashing is
 stock and every block is read at its home slot). Two workloads:
@@ -12,15 +14,20 @@ stock and every block is read at its home slot). Two workloads:
 
 Each comparison runs in *rounds*: a round starts a stock engine and a minipic engine (the
 ``MINIPIC_CPU_ATTN`` path under test) one after the other, so at most two engines are alive, and
-closes both at the end. On the shared 2-core development machine the engine started second was
-consistently ~13% faster in decode even when both were stock (``--paths stock``, an A/A run), so
-rounds alternate which engine starts first and the combined result is the geometric mean over
-rounds. Within a round, after one untimed warm-up run per engine and workload, runs alternate
-stock / minipic (which one goes first alternates too), each rep on fresh prompts (prefix cache
-reset before every run); per round we keep the median of the per-rep paired ratios and the
-ratio of the fastest runs, for wall time and for the CPU time of the engine's own processes.
-Greedy tokens are compared between the two engines on every rep. Output:
-``results/pic_overhead.json``.
+closes both at the end. Rounds alternate which engine starts first and the combined result is the
+geometric mean over rounds: on the shared 2-core development machine an A/A run of two stock
+engines (``--paths stock``) once showed the second-started engine ~13% faster in decode. Within a
+round, after one untimed warm-up run per engine and workload, runs alternate stock / minipic
+(which one goes first alternates too), each rep on fresh prompts (prefix cache reset before
+every run); per round we keep the median of the per-rep paired ratios and the ratio of the
+fastest runs, for wall time and for the CPU time of the engine's own processes (the latter turned
+out noisier, as it includes EngineCore polling). Greedy tokens are compared between the two
+engines on every rep. Output: ``results/pic_overhead.json``.
+
+Noise: vLLM pins every CPU worker to core 0 by default, so all engines on a shared host compete
+there. ``VLLM_CPU_OMP_THREADS_BIND=1 python benchmarks/pic_overhead.py`` pins both engines to the
+other core; that is how the numbers in ``engine_ext/rope_attention_backend.py`` were taken (A/A:
+prefill 1.00, decode 1.01).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ K~ in ``[..., :D]`` and V in ``[..., D:]``; the kernel reads both through stride
 ``[num_blocks, block_size, kv_heads, D]`` views, so any physical KV layout works.
 
 This module must import on CPU-only machines (the plugin imports its parent module everywhere);
-Triton is imported only on the first forward. Not exercised on GPU in this repository's CI.
+Triton is imported only on the first forward. Its write/view/launch glue is tested on CPU through
+Triton's interpreter (``tests/test_position_free.py``); it has not run on a GPU or inside a GPU
+engine yet.
 CUDA graphs: the builder declares no support (``NEVER``), so attention runs eagerly between
 piecewise graphs.
 """

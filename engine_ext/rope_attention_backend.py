@@ -47,9 +47,17 @@ rotated on every read); ``scratch`` rotates every request's keys into a scratch 
 calls vLLM's C++ kernel; ``auto`` is this module's default (C++ kernel on region [2], scratch only
 for off-home requests). Both rotate-on-every-read options cost 3-80x the stock kernel, and a
 SmolLM2 step runs 30 layers, so they would multiply decode time; ``auto`` adds 0.1-0.5 ms per
-layer (the extra writes and one rotary call). Engine-level PIC-off numbers:
-``benchmarks/pic_overhead.py`` / ``results/pic_overhead.json``. ``MINIPIC_CPU_ATTN=scratch|torch``
-forces one of the alternatives for every request (benchmarks, tests).
+layer (the extra writes and one rotary call). Whole engine, SmolLM2 fp32, PIC off, minipic /
+stock wall time (``benchmarks/pic_overhead.py``, worker pinned to the quieter core; an A/A run of
+two stock engines gave 1.00 / 1.01)::
+
+    path      prefill 2 x 384   decode 8 x 64 + 64 tokens   JSON in results/
+    auto          1.00              0.97 (rounds 0.92, 1.02)    pic_overhead.json
+    scratch       1.09              1.27                        pic_overhead_alternatives.json
+    torch         1.18              1.7 - 2.9                   pic_overhead_alternatives.json
+
+(Contexts there are short; the per-layer table shows the gap growing with context length.)
+``MINIPIC_CPU_ATTN=scratch|torch`` forces one of the alternatives for every request.
 
 **Processes.** ``install()`` runs from the plugin in every vLLM process; it only registers class
 paths (``CPU_ATTN`` -> this module, ``CUSTOM`` -> ``engine_ext.cuda_backend``) and wraps the model
