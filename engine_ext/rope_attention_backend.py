@@ -74,6 +74,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -208,21 +209,26 @@ class MinipicCPUAttentionBackend(CPUAttentionBackend):
 
 
 @dataclass
-class OffHomeBatch:
-    """The requests of one step that read some block away from its home slot.
-
-    They are attended from unrotated keys (region 0) rotated by logical position into a
-    transient scratch cache; built once per step by the metadata builder, used by every layer.
-    """
+class SubBatch:
+    """Some of the step's requests, re-indexed for one call of the C++ kernel."""
 
     rows: torch.Tensor  # [T] int64: query rows of these requests in the step's batch
     query_start_loc: torch.Tensor  # [S + 1] int32, local
     seq_lens: torch.Tensor  # [S] int32
-    blocks: torch.Tensor  # [P] int64: physical blocks, request by request, in table order
-    block_table: torch.Tensor  # [S, max_blocks] int32 into the scratch (0..P-1)
-    token_slots: torch.Tensor  # [K] int64: scratch slot of each key (skips block tails)
-    key_positions: torch.Tensor  # [K] int64: logical position of each key
+    block_table: torch.Tensor  # [S, max_blocks] int32 (physical, or into the rotated pool)
     scheduler_metadata: torch.Tensor | None  # C++ kernel work split for this sub-batch
+
+
+@dataclass
+class OffHomeBatch(SubBatch):
+    """The requests of one step that read some block away from its home slot.
+
+    ``block_table`` indexes the rotated-block pool (``RotatedBlocks``), which holds each
+    (table slot, physical block) pair these requests read, keys rotated for that slot.
+    """
+
+    fill: RotatedFill | None  # pool entries to (re)build in this step, after the writes
+    pool_blocks: int  # pool size every layer must have
     global_block_table: torch.Tensor  # [S, max_blocks] int32, physical (torch path)
 
 
@@ -278,6 +284,78 @@ class _HomeSlots:
 
 
 @dataclass
+class RotatedFill:
+    """Pool entries a step (re)builds: ``pool[entry] = block`` rotated for table slot ``slot``.
+
+    Entries whose block sits at its home slot are copied from region [2] (already rotated
+    there); the others are rotated from region [0], only their ``valid`` written tokens.
+    """
+
+    home_entries: torch.Tensor  # [H] int64 pool entries copied from region [2]
+    home_blocks: torch.Tensor  # [H] int64 their physical blocks
+    entries: torch.Tensor  # [F] int64 pool entries rotated from region [0]
+    blocks: torch.Tensor  # [F] int64 their physical blocks
+    token_blocks: torch.Tensor  # [K] int64 physical block of each key to rotate
+    token_offsets: torch.Tensor  # [K] int64 offset in block
+    token_positions: torch.Tensor  # [K] int64 logical position (slot * bs + offset)
+    token_pool_slots: torch.Tensor  # [K] int64 pool slot (entry * bs + offset)
+
+
+class RotatedBlocks:
+    """Where requests that read blocks off their home slot get their rotated keys.
+
+    An entry is keyed by ``(table slot, physical block)``: its keys are that block's unrotated
+    keys rotated for that slot, its values a copy of the block's. The content depends only on
+    the block's content and the slot, so an entry serves every request (and every later step)
+    that reads that block at that slot: a decode step rebuilds only the block being written
+    (one block per request) instead of rotating the whole context again. An entry dies when its
+    block is written (``invalidate``) or, when the pool is full, least recently used first.
+
+    The pool is never smaller than one step needs and grows only when a step needs more, so its
+    size is the largest off-home working set seen (each layer holds ``pool_blocks`` pages of
+    ``2 * block_size * head_size`` elements per KV head, outside vLLM's KV budget).
+    """
+
+    def __init__(self, initial: int = 64) -> None:
+        self.capacity = initial
+        self.entries: OrderedDict[tuple[int, int], int] = OrderedDict()  # LRU order
+        self.by_block: dict[int, set[int]] = {}  # physical block -> slots with an entry
+        self.free = list(range(initial - 1, -1, -1))
+
+    def invalidate(self, blocks: list[int]) -> None:
+        """These blocks were written: every rotated copy of them is stale."""
+        for block in blocks:
+            for slot in self.by_block.pop(block, ()):
+                self.free.append(self.entries.pop((slot, block)))
+
+    def _evict_or_grow(self, in_use: set[tuple[int, int]]) -> int:
+        for key in self.entries:
+            if key not in in_use:
+                entry = self.entries.pop(key)
+                slots = self.by_block[key[1]]
+                slots.discard(key[0])
+                if not slots:
+                    del self.by_block[key[1]]
+                return entry
+        grown = self.capacity * 2
+        self.free = list(range(grown - 1, self.capacity, -1))
+        entry, self.capacity = self.capacity, grown
+        return entry
+
+    def lookup(self, key: tuple[int, int], in_use: set[tuple[int, int]]) -> tuple[int, bool]:
+        """Pool entry for ``key`` and whether it must be filled in this step."""
+        in_use.add(key)
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            return entry, False
+        entry = self.free.pop() if self.free else self._evict_or_grow(in_use)
+        self.entries[key] = entry
+        self.by_block.setdefault(key[1], set()).add(key[0])
+        return entry, True
+
+
+@dataclass
 class StepPlan:
     """What the position-free layers need per step, beyond vLLM's CPU metadata."""
 
@@ -288,17 +366,22 @@ class StepPlan:
     write_offsets: torch.Tensor  # [W] int64 offset in block
     write_positions: torch.Tensor  # [W] int64 logical positions of those rows
     off_home: OffHomeBatch | None  # requests that need RoPE-in-attention from region [0]
+    home: SubBatch | None  # with off_home: the other requests (None: every request is home)
+
+
+ScheduleFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def plan_step(home: _HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
               block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-              path: str, scheduler_metadata: Callable[[torch.Tensor, torch.Tensor],
-                                                      torch.Tensor] | None) -> StepPlan:
+              path: str, scheduler_metadata: ScheduleFn | None,
+              rotated: RotatedBlocks | None = None) -> StepPlan:
     """Positions, home-slot bookkeeping and the off-home sub-batch of one step.
 
     ``query_start_loc`` / ``seq_lens`` / ``block_table`` cover exactly the step's requests and
     ``slot_mapping`` its tokens. ``scheduler_metadata(qsl, seq_lens)`` builds the C++ kernel's
-    work split for the sub-batch (None for the pure-torch path).
+    work split for a sub-batch (None for the pure-torch path). ``rotated`` is the group's
+    rotated-block pool (kept across steps; a fresh one when None).
     """
     num_reqs = seq_lens.numel()
     num_tokens = slot_mapping.numel()
@@ -316,47 +399,94 @@ def plan_step(home: _HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.T
         slots, write_positions = slots[write_rows], positions[write_rows]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     home.record_writes(blocks, write_positions, block_size)
+    rotated = rotated if rotated is not None else RotatedBlocks()
+    rotated.invalidate(blocks.unique().tolist())
     if path == "auto":
         off = home.requests_off_home(block_table, lens, block_size)
     else:
         off = torch.ones(num_reqs, dtype=torch.bool)
-    off_home = None
+    off_home = home_batch = None
     if bool(off.any()):
         off_home = _off_home_batch(off.nonzero().flatten().tolist(), qsl, lens, block_table,
-                                   block_size, scheduler_metadata)
+                                   block_size, home, rotated,
+                                   None if path == "torch" else scheduler_metadata)
+        home_batch = _sub_batch((~off).nonzero().flatten().tolist(), qsl, lens, block_table,
+                                scheduler_metadata)
     return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
                     write_blocks=blocks, write_offsets=slots - blocks * block_size,
-                    write_positions=write_positions, off_home=off_home)
+                    write_positions=write_positions, off_home=off_home, home=home_batch)
+
+
+def _sub_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
+               block_table: torch.Tensor, scheduler_metadata: ScheduleFn | None) -> SubBatch:
+    """Requests ``reqs`` of the step with their own rows, lengths and (physical) tables."""
+    starts, ends = qsl[:-1].tolist(), qsl[1:].tolist()
+    rows = [torch.arange(starts[i], ends[i]) for i in reqs]
+    local_qsl = [0]
+    for i in reqs:
+        local_qsl.append(local_qsl[-1] + ends[i] - starts[i])
+    sub_qsl = torch.tensor(local_qsl, dtype=torch.int32)
+    sub_lens = seq_lens[reqs].to(torch.int32)
+    return SubBatch(
+        rows=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
+        query_start_loc=sub_qsl, seq_lens=sub_lens, block_table=block_table[reqs],
+        scheduler_metadata=scheduler_metadata(sub_qsl, sub_lens)
+        if scheduler_metadata and reqs else None,
+    )
 
 
 def _off_home_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
-                    block_table: torch.Tensor, block_size: int,
-                    scheduler_metadata: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                    | None) -> OffHomeBatch:
-    starts, ends, lens = qsl[:-1].tolist(), qsl[1:].tolist(), seq_lens.tolist()
-    rows, blocks, slots, positions = [], [], [], []
-    local_qsl, local_tables, n_blocks = [0], [], 0
-    for i in reqs:
+                    block_table: torch.Tensor, block_size: int, home: _HomeSlots,
+                    rotated: RotatedBlocks, scheduler_metadata: ScheduleFn | None
+                    ) -> OffHomeBatch:
+    """The off-home requests with a block table into the rotated pool, and what to fill."""
+    base = _sub_batch(reqs, qsl, seq_lens, block_table, scheduler_metadata)
+    lens = seq_lens.tolist()
+    width = max(-(-lens[i] // block_size) for i in reqs)
+    table = torch.zeros(len(reqs), width, dtype=torch.int32)
+    home_slot = home.slot.tolist()
+    physical = block_table[reqs, :width].tolist()
+    in_use: set[tuple[int, int]] = set()
+    home_fill: list[tuple[int, int]] = []
+    rot_fill: list[tuple[int, int, int, int]] = []  # entry, block, slot, valid tokens
+    for r, i in enumerate(reqs):
         n = -(-lens[i] // block_size)
-        rows.append(torch.arange(starts[i], ends[i]))
-        local_qsl.append(local_qsl[-1] + ends[i] - starts[i])
-        blocks.append(block_table[i, :n].long())
-        local_tables.append(torch.arange(n_blocks, n_blocks + n, dtype=torch.int32))
-        slots.append(torch.arange(lens[i]) + n_blocks * block_size)
-        positions.append(torch.arange(lens[i]))
-        n_blocks += n
-    table = torch.zeros(len(reqs), max(t.numel() for t in local_tables), dtype=torch.int32)
-    for r, t in enumerate(local_tables):
-        table[r, : t.numel()] = t
-    sub_seq_lens = seq_lens[reqs].to(torch.int32)
-    sub_qsl = torch.tensor(local_qsl, dtype=torch.int32)
+        row = []
+        for slot in range(n):
+            block = physical[r][slot]
+            entry, fill = rotated.lookup((slot, block), in_use)
+            row.append(entry)
+            if fill:
+                if home_slot[block] == slot:
+                    home_fill.append((entry, block))
+                else:
+                    valid = min(block_size, lens[i] - slot * block_size)
+                    rot_fill.append((entry, block, slot, valid))
+        table[r, :n] = torch.tensor(row, dtype=torch.int32)
     return OffHomeBatch(
-        rows=torch.cat(rows), query_start_loc=sub_qsl, seq_lens=sub_seq_lens,
-        blocks=torch.cat(blocks), block_table=table, token_slots=torch.cat(slots),
-        key_positions=torch.cat(positions),
-        scheduler_metadata=scheduler_metadata(sub_qsl, sub_seq_lens)
-        if scheduler_metadata else None,
-        global_block_table=block_table[reqs],
+        rows=base.rows, query_start_loc=base.query_start_loc, seq_lens=base.seq_lens,
+        block_table=table, scheduler_metadata=base.scheduler_metadata,
+        fill=_fill(home_fill, rot_fill, block_size) if home_fill or rot_fill else None,
+        pool_blocks=rotated.capacity, global_block_table=base.block_table,
+    )
+
+
+def _fill(home_fill: list[tuple[int, int]], rot_fill: list[tuple[int, int, int, int]],
+          block_size: int) -> RotatedFill:
+    def column(rows: list[tuple[int, ...]], k: int) -> torch.Tensor:
+        return torch.tensor([row[k] for row in rows], dtype=torch.long)
+
+    valid = column(rot_fill, 3)
+    offsets = torch.cat([torch.arange(v) for v in valid.tolist()]) if rot_fill else valid
+    token_blocks = torch.repeat_interleave(column(rot_fill, 1), valid)
+    token_slots = torch.repeat_interleave(column(rot_fill, 2), valid)
+    token_entries = torch.repeat_interleave(column(rot_fill, 0), valid)
+    return RotatedFill(
+        home_entries=column(home_fill, 0), home_blocks=column(home_fill, 1),
+        entries=column(rot_fill, 0), blocks=column(rot_fill, 1),
+        token_blocks=token_blocks, token_offsets=offsets,
+        token_positions=token_slots * block_size + offsets,
+        token_pool_slots=token_entries * block_size + offsets,
     )
 
 
@@ -369,6 +499,7 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.position_free = has_position_free_pages(kv_cache_spec)
         self.path = attn_path()
         self.home = _HomeSlots(vllm_config.cache_config.num_gpu_blocks or 0)
+        self.rotated = RotatedBlocks()
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> MinipicCPUAttentionMetadata:
@@ -384,6 +515,7 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             cm.block_table_tensor[: cm.num_reqs], cm.slot_mapping[: cm.num_actual_tokens],
             self.block_size, self.path,
             None if self.path == "torch" else functools.partial(self._schedule, md.causal),
+            self.rotated,
         )
         md.plan = plan
         return md
@@ -470,21 +602,40 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         if path == "torch":
             return self._attend_torch(query, k_unrot, v_cache, plan, attn_metadata.causal,
                                       rope, output)
-        # Every request, with keys rotated at their home positions: what stock vLLM computes.
+        # Requests reading every block at its home slot: keys rotated at their home positions
+        # (region [2]) are exactly what stock vLLM computes with, so its kernel runs unchanged.
+        home = plan.home
+        if home is None:
+            self._attend(layer, query[:n], k_home, v_cache, output[:n],
+                         attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                         attn_metadata.block_table, attn_metadata.scheduler_metadata,
+                         attn_metadata.causal, attn_metadata.dynamic_causal)
+        elif home.rows.numel():
+            sub_out = torch.empty(home.rows.numel(), *output.shape[1:], dtype=output.dtype)
+            self._attend(layer, query[home.rows], k_home, v_cache, sub_out,
+                         home.query_start_loc, home.seq_lens, home.block_table,
+                         home.scheduler_metadata, attn_metadata.causal, None)
+            output[home.rows] = sub_out
+        if rope is not None and plan.off_home is not None:
+            self._attend_off_home(layer, query, k_unrot, v_cache, k_home, plan.off_home,
+                                  attn_metadata.causal, rope, output)
+        return output
+
+    def _attend(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, output: torch.Tensor, query_start_loc: torch.Tensor,
+                seq_lens: torch.Tensor, block_table: torch.Tensor,
+                scheduler_metadata: torch.Tensor | None, causal: bool,
+                dynamic_causal: Any) -> None:
+        """vLLM's C++ CPU attention kernel on (key_cache, value_cache) pages."""
         ops.cpu_attention_with_kv_cache(
-            query=query[:n], key_cache=k_home, value_cache=v_cache, output=output[:n],
-            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
-            scale=self.scale, causal=attn_metadata.causal, alibi_slopes=None,
-            sliding_window=self.sliding_window, block_table=attn_metadata.block_table,
-            softcap=self.logits_soft_cap, scheduler_metadata=attn_metadata.scheduler_metadata,
-            s_aux=None, dynamic_causal=attn_metadata.dynamic_causal,
+            query=query, key_cache=key_cache, value_cache=value_cache, output=output,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale,
+            causal=causal, alibi_slopes=None, sliding_window=self.sliding_window,
+            block_table=block_table, softcap=self.logits_soft_cap,
+            scheduler_metadata=scheduler_metadata, s_aux=None, dynamic_causal=dynamic_causal,
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype,
         )
-        if rope is not None and plan.off_home is not None:
-            self._attend_off_home(layer, query, k_unrot, v_cache, plan.off_home,
-                                  attn_metadata.causal, rope, output)
-        return output
 
     # -- write -------------------------------------------------------------------------------
 
@@ -514,35 +665,50 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
     # -- read paths --------------------------------------------------------------------------
 
     def _attend_off_home(self, layer: Any, query: torch.Tensor, k_unrot: torch.Tensor,
-                         v_cache: torch.Tensor, batch: OffHomeBatch, causal: bool,
-                         rope: torch.nn.Module, output: torch.Tensor) -> None:
-        """RoPE inside attention: rotate the requests' keys by logical position, then attend.
+                         v_cache: torch.Tensor, k_home: torch.Tensor, batch: OffHomeBatch,
+                         causal: bool, rope: torch.nn.Module, output: torch.Tensor) -> None:
+        """RoPE inside attention: keys rotated by the slot they are read at, then attended.
 
-        Keys come from region 0 in table order (key ``j`` at row ``j``), are rotated by ``j``
-        into a transient scratch laid out for the C++ kernel, and the kernel runs on the
-        sub-batch with a scratch-local block table. Values are copied block-wise as stored.
+        The rotated copies live in this layer's pool (``RotatedBlocks``); the step's plan says
+        which entries to (re)build, after this step's writes: blocks read at their home slot
+        are copied from region [2], the others rotated from region [0] with the model's own
+        rotary op. The C++ kernel then runs on the pool with the pool's block table.
         """
         num_kv_heads, block_size, head_size = k_unrot.shape[1:]
-        num_scratch = batch.blocks.numel()
-        keys = k_unrot[batch.blocks].transpose(1, 2).reshape(-1, num_kv_heads, head_size)
-        keys = _rotate(rope, batch.key_positions, keys[batch.token_slots])
-        scratch = torch.empty(num_scratch, num_kv_heads, 2 * block_size, head_size,
-                              dtype=k_unrot.dtype)
-        s_key, s_value = scratch.chunk(2, dim=2)
-        # The writer stores K in the kernel's (ISA-specific) layout; it needs a value too, so
-        # it gets the keys and region [1] is copied over that afterwards, layout untouched.
-        ops.cpu_attn_reshape_and_cache(keys, keys, s_key, s_value, batch.token_slots,
-                                       layer.isa, kv_cache_dtype=self.kv_cache_dtype)
-        s_value.copy_(v_cache[batch.blocks])
+        pool = self._rotated_pool(batch.pool_blocks, num_kv_heads, block_size, head_size,
+                                  k_unrot.dtype)
+        p_key, p_value = pool.chunk(2, dim=2)
+        fill = batch.fill
+        if fill is not None:
+            if fill.home_entries.numel():
+                p_key[fill.home_entries] = k_home[fill.home_blocks]
+                p_value[fill.home_entries] = v_cache[fill.home_blocks]
+            if fill.entries.numel():
+                keys = k_unrot[fill.token_blocks, :, fill.token_offsets]  # [K, kv_heads, D]
+                keys = _rotate(rope, fill.token_positions, keys)
+                # The writer stores K in the kernel's (ISA-specific) layout and needs a value
+                # too: it gets the keys, and the block's values are copied over them after.
+                ops.cpu_attn_reshape_and_cache(keys, keys, p_key, p_value,
+                                               fill.token_pool_slots, layer.isa,
+                                               kv_cache_dtype=self.kv_cache_dtype)
+                p_value[fill.entries] = v_cache[fill.blocks]
         sub_out = torch.empty(batch.rows.numel(), *output.shape[1:], dtype=output.dtype)
-        ops.cpu_attention_with_kv_cache(
-            query=query[batch.rows], key_cache=s_key, value_cache=s_value, output=sub_out,
-            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, scale=self.scale,
-            causal=causal, alibi_slopes=None, sliding_window=-1, block_table=batch.block_table,
-            softcap=self.logits_soft_cap, scheduler_metadata=batch.scheduler_metadata,
-            s_aux=None, kv_cache_dtype=self.kv_cache_dtype,
-        )
+        self._attend(layer, query[batch.rows], p_key, p_value, sub_out,
+                     batch.query_start_loc, batch.seq_lens, batch.block_table,
+                     batch.scheduler_metadata, causal, None)
         output[batch.rows] = sub_out
+
+    def _rotated_pool(self, blocks: int, num_kv_heads: int, block_size: int, head_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """This layer's rotated-block pages ``[blocks, kv_heads, 2 * block_size, D]`` (K, V),
+        grown (contents kept) when the plan's pool is larger."""
+        pool = getattr(self, "_pool", None)
+        if pool is None or pool.shape[0] < blocks:
+            grown = torch.zeros(blocks, num_kv_heads, 2 * block_size, head_size, dtype=dtype)
+            if pool is not None:
+                grown[: pool.shape[0]] = pool
+            self._pool = pool = grown
+        return pool
 
     def _attend_torch(self, query: torch.Tensor, k_unrot: torch.Tensor, v_cache: torch.Tensor,
                       plan: StepPlan, causal: bool, rope: torch.nn.Module,

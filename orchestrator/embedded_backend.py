@@ -25,6 +25,7 @@ from typing import Any
 from minipic.engine_config import EngineSettings
 from orchestrator.backends import BackendInfo, Completion, Sampling
 from orchestrator.errors import BadInputError, EngineError, MinipicError
+from orchestrator.kv_usage import KVUsageMonitor
 
 
 @contextlib.contextmanager
@@ -65,15 +66,20 @@ class EmbeddedBackend:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        # KV blocks in use, from the engine's step statistics (set by ``start``)
+        self.kv_usage = KVUsageMonitor(position_free=False)
 
     @classmethod
     def start(cls, settings: EngineSettings) -> EmbeddedBackend:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        monitor = KVUsageMonitor(position_free=settings.pic and "rope" in settings.features)
         with _environ(settings.plugin_env()):
-            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings.llm_kwargs()))
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings.llm_kwargs()),
+                                               stat_loggers=[monitor.stat_logger_factory()])
         backend = cls(engine, settings)
+        backend.kv_usage = monitor
         # Imports during start-up may store an exception whose traceback keeps this frame
         # alive; it must not keep the engine alive past close() too.
         del engine

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from minipic.bench.runner import percentile
+from minipic.bench.runner import percentile, wilson_interval
 from minipic.bench.workloads import agent_workload, is_correct, normalize_answer, rag_workload
 
 pytestmark = pytest.mark.fast
@@ -49,3 +49,15 @@ def test_percentile_interpolates():
     values = [random.random() for _ in range(101)]
     assert percentile(values, 0.5) == sorted(values)[50]
     assert percentile(values, 0.0) == min(values) and percentile(values, 1.0) == max(values)
+
+
+def test_wilson_interval_covers_the_proportion_and_narrows_with_n():
+    n = random.randrange(5, 200)
+    k = random.randrange(0, n + 1)
+    lo, hi = wilson_interval(k, n)
+    assert 0.0 <= lo <= k / n <= hi <= 1.0
+    lo4, hi4 = wilson_interval(4 * k, 4 * n)
+    assert hi4 - lo4 < hi - lo
+    # the textbook value: 50/100 -> 0.404..0.596
+    assert wilson_interval(50, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)

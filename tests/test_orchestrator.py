@@ -223,3 +223,25 @@ def test_real_answer_with_the_default_model(smol_orchestrator) -> None:
         answer = smol_orchestrator.answer(question, docs, SYSTEM, mode, max_tokens=24)
         assert answer.cache_ok
         assert "8,611" in answer.text, f"{mode}: {answer.text!r}"
+
+
+def test_kv_memory_in_use_is_reported(tiny_orchestrator) -> None:
+    """The embedded backend's KV monitor: block bytes agree with how the CPU worker sized its
+    cache (position-free pages: 3 head-size cells per token), and a batch's peak holds at least
+    the blocks of its largest request while it runs."""
+    backend = tiny_orchestrator.aio.backend
+    monitor = backend.kv_usage
+    space = int(float(backend.settings.plugin_env()["VLLM_CPU_KVCACHE_SPACE"]) * (1 << 30))
+    assert monitor.position_free and monitor.block_bytes > 0
+    assert monitor.blocks_total == space // monitor.block_bytes
+    monitor.reset()
+    docs = [doc(f"Kv{i}", words=60) for i in range(3)]
+    answers = tiny_orchestrator.answer_many(
+        [(f"question {i}?", docs[i:] + docs[:i]) for i in range(3)], cache_salt=salt(),
+        max_tokens=4)
+    usage = monitor.snapshot()
+    block = backend.settings.block_size
+    largest = max(-(-a.prompt_tokens // block) for a in answers)
+    assert usage.samples > 0 and largest <= usage.peak_blocks <= usage.blocks_total
+    assert 0 < usage.mean_blocks <= usage.peak_blocks
+    assert usage.peak_mib == usage.peak_blocks * usage.block_bytes / (1 << 20)

@@ -254,11 +254,14 @@ KV_HEADS, HEADS, HEAD, BLOCK = 2, 4, 64, 32
 # Synthetic steps: (request, block table, new tokens). Step 1 prefills span S into blocks [5, 9]
 # (home slots 0, 1) next to an unrelated request; step 2 prefills B's first block; step 3 runs
 # B = [own block][S][10 new] (S at slots 1-2: off home) together with C = [S][5 new] (S at
-# home): one physical copy of S read at two offsets in one batch.
+# home): one physical copy of S read at two offsets in one batch. Steps 4-5 decode one token
+# each: the rotated copies of S built in step 3 are reused, only the written blocks rebuilt.
 SCENARIO = [
     [("S", [5, 9], 64), ("X", [2], 20)],
     [("B", [7], 32)],
     [("B", [7, 5, 9, 3], 10), ("C", [5, 9, 11], 5)],
+    [("B", [7, 5, 9, 3], 1), ("C", [5, 9, 11], 1)],
+    [("B", [7, 5, 9, 3], 1), ("C", [5, 9, 11], 1)],
 ]
 
 
@@ -341,6 +344,7 @@ def test_cpu_backend_paths_match_dense_reference(path: str, dtype: torch.dtype, 
                                   _k_scale_float=1.0, _v_scale_float=1.0)
     kv_cache = torch.zeros(16, KV_HEADS, BLOCK, rab.NUM_REGIONS * HEAD, dtype=dtype)
     home = rab._HomeSlots(16)
+    rotated = rab.RotatedBlocks(initial=2)  # small: the pool must grow, keeping its contents
 
     def schedule(qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         return ops.cpu_attn_get_scheduler_metadata(seq_lens.numel(), HEADS, KV_HEADS, HEAD,
@@ -349,7 +353,7 @@ def test_cpu_backend_paths_match_dense_reference(path: str, dtype: torch.dtype, 
 
     def attend(query, key, value, qsl, seq_lens, table, slots, positions):
         plan = rab.plan_step(home, qsl, seq_lens, table, slots, BLOCK, path,
-                             None if path == "torch" else schedule)
+                             None if path == "torch" else schedule, rotated)
         assert torch.equal(plan.positions, positions)
         md = rab.MinipicCPUAttentionMetadata(
             num_actual_tokens=query.shape[0], max_query_len=int((qsl[1:] - qsl[:-1]).max()),
@@ -364,9 +368,17 @@ def test_cpu_backend_paths_match_dense_reference(path: str, dtype: torch.dtype, 
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     gen = torch.Generator().manual_seed(seed)
     plans = _run_scenario(attend, rope, dtype, gen, tol, f"path={path}, seed={seed}")
-    off_home = plans[-1].off_home
+    off_home = plans[2].off_home
     assert off_home is not None
     assert off_home.seq_lens.tolist() == ([106] if path == "auto" else [106, 69])
+    if path != "torch":
+        # step 3 builds every block the off-home requests read; a decode step rebuilds only
+        # the blocks it writes (B's block 3, and C's block 11 when C is off home too)
+        built = [0 if p.off_home is None or p.off_home.fill is None else
+                 p.off_home.fill.home_entries.numel() + p.off_home.fill.entries.numel()
+                 for p in plans[2:]]
+        assert built[0] >= 4 and built[1:] == ([1, 1] if path == "auto" else [2, 2]), built
+        assert plans[-1].off_home.pool_blocks >= (4 if path == "auto" else 7)
 
 
 @pytest.mark.fast
@@ -467,3 +479,31 @@ def test_install_is_idempotent() -> None:
         rab._STATE.update(saved_states[0])
         unrotated_keys._STATE.clear()
         unrotated_keys._STATE.update(saved_states[1])
+
+
+@pytest.mark.fast
+def test_rotated_blocks_pool_reuse_invalidation_and_growth(seed: int) -> None:
+    """The rotated-block pool: an entry per (slot, block), reused until its block is written,
+    least recently used evicted first, never one a step still needs, grown when all are."""
+    from engine_ext.rope_attention_backend import RotatedBlocks
+
+    rng = random.Random(seed)
+    pool = RotatedBlocks(initial=4)
+    in_use: set[tuple[int, int]] = set()
+    keys = [(rng.randrange(8), b) for b in rng.sample(range(100), 4)]
+    first = [pool.lookup(k, in_use) for k in keys]
+    assert all(fill for _, fill in first) and sorted(e for e, _ in first) == [0, 1, 2, 3]
+    # next step: the same keys are hits, a fifth evicts the least recently used of the others
+    in_use = set()
+    assert [pool.lookup(k, in_use) for k in keys[1:]] == [(e, False) for e, _ in first[1:]]
+    entry, fill = pool.lookup((9, 1000), in_use)
+    assert fill and entry == first[0][0] and keys[0] not in pool.entries
+    # writing a block kills all its copies; the freed entry is reused
+    pool.invalidate([keys[1][1]])
+    assert keys[1] not in pool.entries
+    in_use = set()
+    assert pool.lookup((5, 2000), in_use) == (first[1][0], True)
+    # a step needing more than the pool holds grows it and keeps every entry distinct
+    in_use = set()
+    got = [pool.lookup((s, 3000 + s), in_use)[0] for s in range(6)]
+    assert len(set(got)) == 6 and pool.capacity >= 6

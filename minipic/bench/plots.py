@@ -23,13 +23,17 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
     if "throughput" in report:
         systems = report["throughput"]["systems"]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, (ax, ax_kv) = plt.subplots(1, 2, figsize=(10, 3.8))
         names = list(systems)
-        ax.bar(names, [systems[n]["samples_per_s"] for n in names],
-               color=["#888", "#aaa", "#6a9fd8", "#1f5fa8"][: len(names)])
+        colors = ["#888", "#aaa", "#6a9fd8", "#1f5fa8"][: len(names)]
+        ax.bar(names, [systems[n]["samples_per_s"] for n in names], color=colors)
         ax.set_ylabel("samples / s")
         ax.set_title("RAG throughput (2Wiki-shaped, same engine build)")
         ax.tick_params(axis="x", labelrotation=15)
+        ax_kv.bar(names, [systems[n]["kv_peak_mib"] for n in names], color=colors)
+        ax_kv.set_ylabel("MiB")
+        ax_kv.set_title("KV cache in use, peak during the batch")
+        ax_kv.tick_params(axis="x", labelrotation=15)
         save(fig, "throughput.png")
 
     if "ttft" in report:
@@ -51,11 +55,13 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         acc = report["accuracy"]
         fig, ax = plt.subplots(figsize=(5.5, 3.5))
         for name, row in acc.items():
-            ax.scatter(row["ttft_p50_s"] * 1000, row["accuracy"], s=60)
+            lo, hi = row["ci95"]
+            ax.errorbar(row["ttft_p50_s"] * 1000, row["accuracy"], fmt="o", capsize=4,
+                        yerr=[[row["accuracy"] - lo], [hi - row["accuracy"]]])
             ax.annotate(name, (row["ttft_p50_s"] * 1000, row["accuracy"]),
                         textcoords="offset points", xytext=(5, 5))
         ax.set_xlabel("TTFT p50 (ms)")
-        ax.set_ylabel("accuracy (gold substring)")
+        ax.set_ylabel("accuracy (gold substring, 95% CI)")
         ax.set_title("Answer quality vs latency per mode")
         save(fig, "accuracy_vs_ttft.png")
 

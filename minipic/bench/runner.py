@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import platform
 import random
 import statistics
@@ -40,6 +41,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     k = (len(ordered) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion: says how far apart modes must be to differ."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def _questions(items: Sequence[RagItem], mode: str) -> list[dict[str, Any]]:
@@ -86,13 +97,18 @@ class Bench:
     async def _batch(self, orc: Any, items: Sequence[RagItem], mode: str, policy: str,
                      max_tokens: int) -> dict[str, Any]:
         await orc.reset_cache()
+        monitor = orc.backend.kv_usage
+        monitor.reset()
         started = time.perf_counter()
         results = await orc.answer_many(_questions(items, mode), policy=policy,
                                         max_tokens=max_tokens)
         elapsed = time.perf_counter() - started
+        kv = monitor.snapshot()
         ok, failed = _answers(results)
         prompt = sum(a.prompt_tokens for a in ok)
         return {
+            "kv_peak_mib": kv.peak_mib, "kv_mean_mib": kv.mean_mib,
+            "kv_peak_blocks": kv.peak_blocks, "kv_block_bytes": kv.block_bytes,
             "samples": len(items), "failed": failed, "elapsed_s": elapsed,
             "samples_per_s": len(items) / elapsed,
             "ttft_p50_s": percentile([a.ttft_s for a in ok], 0.5),
@@ -120,12 +136,22 @@ class Bench:
             for name, r in runs.items()}
         v = summary["vanilla"]["samples_per_s"]
         self.report["throughput"] = {
-            "questions": len(items), "systems": summary,
+            "questions": len(items), "systems": summary, "kv_cache": self._kv_cache(),
             "isps_vs_vanilla": summary["minipic_isps"]["samples_per_s"] / v,
             "isps_vs_barrier": summary["minipic_isps"]["samples_per_s"]
             / summary["minipic_barrier"]["samples_per_s"],
             "pic_off_overhead": v / summary["minipic_pic_off"]["samples_per_s"] - 1,
         }
+
+    def _kv_cache(self) -> dict[str, Any]:
+        """Each engine's KV pool: same byte budget, position-free blocks cost 1.5x."""
+        out = {}
+        for name, orc in (("stock", self.stock), ("minipic", self.pic)):
+            kv = orc.backend.kv_usage.snapshot()
+            out[name] = {"blocks_total": kv.blocks_total, "block_bytes": kv.block_bytes,
+                         "total_mib": kv.total_mib,
+                         "bytes_per_token": kv.block_bytes // orc.builder.span_config.block_size}
+        return out
 
     def _long_items(self, n_items: int, n_spans: int, span_tokens: int) -> list[RagItem]:
         """Questions over ``n_spans`` passages of about ``span_tokens`` each (shared pool)."""
@@ -213,6 +239,7 @@ class Bench:
             correct = sum(is_correct(a.text, it.answer)
                           for a, it in zip(results, items, strict=True) if a in ok)
             out[name] = {"accuracy": correct / len(items), "correct": correct,
+                         "ci95": wilson_interval(correct, len(items)),
                          "failed": failed, "n": len(items),
                          "ttft_p50_s": percentile([a.ttft_s for a in ok], 0.5),
                          "hit_rate": sum(a.cached_tokens for a in ok)

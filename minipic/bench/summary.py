@@ -11,10 +11,14 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         t = report["throughput"]
         for name, s in t["systems"].items():
             rows.append((f"samples/s {name}", f"{s['samples_per_s']:.2f} "
-                         f"(hit rate {s['hit_rate']:.0%}, TTFT p50 {s['ttft_p50_s']*1000:.0f} ms)"))
+                         f"(hit rate {s['hit_rate']:.0%}, TTFT p50 {s['ttft_p50_s']*1000:.0f} ms, "
+                         f"KV peak {s['kv_peak_mib']:.0f} MiB)"))
         rows.append(("ISPS / vanilla", f"{t['isps_vs_vanilla']:.2f}x"))
         rows.append(("ISPS / barrier", f"{t['isps_vs_barrier']:.2f}x"))
         rows.append(("PIC-off overhead", f"{t['pic_off_overhead']:+.1%}"))
+        kv = t["kv_cache"]
+        rows.append(("KV bytes / token", f"stock {kv['stock']['bytes_per_token']}, minipic "
+                     f"{kv['minipic']['bytes_per_token']} (position-free pages)"))
     if "ttft" in report:
         h = report["ttft"]["headline"]
         rows.append((f"TTFT p50 @ {h['prompt_tokens_mean']:.0f} tok",
@@ -31,8 +35,9 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("agent cached share", f"minipic {pic:.0%}, vanilla {van:.0%}"))
     if "accuracy" in report:
         for name, a in report["accuracy"].items():
-            rows.append((f"accuracy {name}", f"{a['accuracy']:.0%} ({a['correct']}/{a['n']}), "
-                         f"TTFT p50 {a['ttft_p50_s']*1000:.0f} ms"))
+            lo, hi = a["ci95"]
+            rows.append((f"accuracy {name}", f"{a['accuracy']:.0%} ({a['correct']}/{a['n']}, "
+                         f"95% CI {lo:.0%}-{hi:.0%}), TTFT p50 {a['ttft_p50_s']*1000:.0f} ms"))
     return rows
 
 
