@@ -73,8 +73,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
