@@ -25,12 +25,16 @@ slot ``s`` holds ``R_{s*bs+o} k~`` there, which is *exactly* what stock vLLM wou
 Reading a block at its home slot (every read when PIC is off: stock prefix hashing only shares
 a block at the slot it was computed at) therefore runs vLLM's own C++ kernel
 (``cpu_attention_with_kv_cache``) on regions [2]/[1] with no extra work -- bit-identical to stock.
-A request that reads some block at another slot (a span reused at a new offset) is recomputed
-per step from region [0]: its keys are gathered, rotated by ``arange(seq_len)`` into a transient
-scratch and attended with the same C++ kernel. Nothing shared is ever copied or re-rotated in the
-cache, so one physical block serves any number of requests at any offsets in the same batch.
-Which physical block sits at which home slot is tracked per KV-cache group by the metadata
-builder (``_HomeSlots``), once per step.
+A request that reads some block at another slot (a span reused at a new offset) is attended
+through the *rotated-block pool* (``RotatedBlocks``): one entry per (table slot, physical block)
+it reads, holding that block's keys rotated from region [0] for that slot (or copied from region
+[2] when the slot is the block's home) and its values, in the C++ kernel's layout; the same kernel
+then runs on the pool. An entry depends only on the block's content and the slot, so it serves
+every request and every later step that reads that block there; it is dropped when the block is
+written, so a decode step rebuilds one block per request. Nothing shared is ever rewritten in the
+KV cache, and one physical block serves any number of requests at any offsets in the same batch.
+Which physical block sits at which home slot, and the pool's entries, are tracked per KV-cache
+group by the metadata builder (``_HomeSlots``, ``RotatedBlocks``), once per step.
 
 **Why this design.** Measured on the 2-core development machine (shared; 1 thread, fp32,
 SmolLM2-135M attention shapes: 9 query / 3 KV heads, D=64, block 32), one layer's write + attention
@@ -43,9 +47,10 @@ in ms, min over 5-15 runs, every block read at its home slot (PIC off)::
     2 prefills x 256 + 6 decode x 512    2.27     2.69     9.65    12.3
 
 ``torch`` is the pure-torch backend (``kernels.paged_attention_rope_ref`` per request, keys
-rotated on every read); ``scratch`` rotates every request's keys into a scratch cache per step and
-calls vLLM's C++ kernel; ``auto`` is this module's default (C++ kernel on region [2], scratch only
-for off-home requests). Both rotate-on-every-read options cost 3-80x the stock kernel, and a
+rotated on every read); ``scratch`` (as first built, before the pool) rotated every request's
+keys into a fresh scratch cache per step and called vLLM's C++ kernel; ``auto`` is this module's
+default (C++ kernel on region [2], the off-home path only for off-home requests). With the pool,
+``MINIPIC_CPU_ATTN=scratch`` sends every request through the pool. Both rotate-on-every-read options cost 3-80x the stock kernel, and a
 SmolLM2 step runs 30 layers, so they would multiply decode time; ``auto`` adds 0.1-0.5 ms per
 layer (the extra writes and one rotary call). Whole engine, SmolLM2 fp32, PIC off, minipic /
 stock wall time (``benchmarks/pic_overhead.py``, worker pinned to the quieter core; an A/A run of
@@ -57,6 +62,14 @@ two stock engines gave 1.00 / 1.01)::
     torch         1.18              1.7 - 2.9                   pic_overhead_alternatives.json
 
 (Contexts there are short; the per-layer table shows the gap growing with context length.)
+
+Off-home reads (spans reused at new offsets, the PIC case), one layer, decode of 8 requests x 544
+keys whose 512-token span sits one block off its home, median ms per step: rebuilding a rotated
+scratch of every request's context each step (this module's first design) 17.2; the pool 1.1 in
+the layer (0.17 of it the kernel) + 0.6 per step for the plan, shared by all layers. The pool is
+as large as the biggest off-home working set of a step so far (it grows, never shrinks; ~49 KB per
+entry and layer for SmolLM2 fp32), memory outside vLLM's KV budget, bounded by the running
+requests' contexts (max_num_seqs x max_model_len / block_size entries).
 ``MINIPIC_CPU_ATTN=scratch|torch`` forces one of the alternatives for every request.
 
 **Processes.** ``install()`` runs from the plugin in every vLLM process; it only registers class
@@ -84,8 +97,8 @@ from minipic.span_config import SpanConfig
 
 BACKEND_PATH = "engine_ext.rope_attention_backend.MinipicCPUAttentionBackend"
 CUDA_BACKEND_PATH = "engine_ext.cuda_backend.MinipicCudaAttentionBackend"
-# auto: C++ kernel on home-rotated keys + scratch for requests reading blocks off their home
-# slot. scratch / torch: every request through that path (the measured alternatives).
+# auto: C++ kernel on home-rotated keys + the rotated-block pool for requests reading blocks off
+# their home slot. scratch / torch: every request through the pool / the pure-torch path.
 ATTN_PATH_ENV = "MINIPIC_CPU_ATTN"
 ATTN_PATHS = ("auto", "scratch", "torch")
 # K/V-sized regions per (block, kv head) page: K~, V, K rotated at home (module docstring).
