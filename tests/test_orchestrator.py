@@ -17,6 +17,7 @@ from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import pytest
+from counting_backend import CountingBackend
 
 from orchestrator import (
     Answer,
@@ -33,25 +34,6 @@ pytestmark = pytest.mark.engine
 
 SYSTEM = ("You are a concise assistant. Answer the question using only the documents provided. "
           "Reply with a short phrase, not a sentence.")
-
-
-class CountingBackend:
-    """A real backend, with a record of the token ids of every request sent through it."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.info = inner.info
-        self.calls: list[tuple[int, ...]] = []
-
-    async def generate(self, token_ids, **kwargs):
-        self.calls.append(tuple(token_ids))
-        return await self.inner.generate(token_ids, **kwargs)
-
-    async def reset_cache(self) -> None:
-        await self.inner.reset_cache()
-
-    async def aclose(self) -> None:
-        pass  # the session fixture owns the engine
 
 
 def run(orc: SyncOrchestrator, coro: Coroutine[Any, Any, Any]) -> Any:

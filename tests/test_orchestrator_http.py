@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import ServerProcess, free_port
+from counting_backend import CountingBackend
 
 from orchestrator import (
     Answer,
@@ -42,25 +43,6 @@ SYSTEM = ("You are a concise assistant. Answer the question using only the docum
 
 def doc(name: str, words: int = 40) -> str:
     return f"{name}: " + " ".join(f"{name.lower()}{i}" for i in range(words))
-
-
-class CountingBackend:
-    """The real HTTP backend, with a record of the token ids of every request."""
-
-    def __init__(self, inner: HttpBackend) -> None:
-        self.inner = inner
-        self.info = inner.info
-        self.calls: list[tuple[int, ...]] = []
-
-    async def generate(self, token_ids, **kwargs):
-        self.calls.append(tuple(token_ids))
-        return await self.inner.generate(token_ids, **kwargs)
-
-    async def reset_cache(self) -> None:
-        await self.inner.reset_cache()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 def test_connect_to_nothing_is_unreachable() -> None:
@@ -93,7 +75,7 @@ def test_real_answer_over_http(smol: SyncOrchestrator) -> None:
 
 
 async def test_async_batch_dedups_and_pipelines(smol_server: ServerProcess) -> None:
-    backend = CountingBackend(HttpBackend.connect(smol_server.base_url))
+    backend = CountingBackend(HttpBackend.connect(smol_server.base_url), owns_inner=True)
     async with Orchestrator(backend, options={"max_in_flight": 3}) as orc:
         shared, salt = doc("Shared"), uuid.uuid4().hex
         batch = [(f"question {i}?", [shared, doc(f"Own{i}")]) for i in range(5)]

@@ -20,7 +20,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
             "minutes at --scale 1 on 2 cores."
         ),
     )
-    p.add_argument("--out", type=Path, default=Path("results"), help="output folder")
+    p.add_argument("--out", type=Path, default=Path("results/bench"),
+                   help="output folder (default results/bench)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply workload sizes (default 1.0; e.g. 0.3 for a quick look)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
