@@ -13,11 +13,12 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="paper-style evaluation: throughput, TTFT, agent memory, accuracy",
         description=(
             "Runs stock vLLM (prefix caching, plugin off) and minipic side by side in one "
-            "process on the default model and writes results/bench.json plus PNG plots. "
+            "process on the default model and writes results/bench/bench.json plus PNG plots "
+            "(KV memory in use included). "
             "Phases: throughput (vanilla vs minipic barrier vs ISPS, PIC-off overhead), ttft "
             "(~2k-token contexts, sweeps over span count and length), agent (tool memory), "
-            "accuracy (full attention vs block_attention vs boundary_recompute). About 10 "
-            "minutes at --scale 1 on 2 cores."
+            "accuracy (full attention vs block_attention vs boundary_recompute). About 15 "
+            "minutes at --scale 1 on 2 cores (measured: 13 min plus set-up)."
         ),
     )
     p.add_argument("--out", type=Path, default=Path("results/bench"),
