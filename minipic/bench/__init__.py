@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from minipic.bench.runner import PHASES
@@ -28,6 +29,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--phases", default=",".join(PHASES),
                    help=f"comma-separated subset of {','.join(PHASES)}")
+    p.add_argument("--plot-only", action="store_true",
+                   help="redraw the plots and table from OUT/bench.json without running")
     p.set_defaults(func=run)
 
 
@@ -44,10 +47,19 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         console.print(f"[red]unknown phases {sorted(unknown)}; choose from {PHASES}")
         return 2
-    with console.status("starting…") as status:
-        report = run_sync(args.out, phases, args.scale, args.seed,
-                          lambda msg: status.update(f"[bold]bench[/] {msg}"))
+    if args.plot_only:
+        source = args.out / "bench.json"
+        if not source.is_file():
+            console.print(f"[red]{source} not found: run `minipic bench --out {args.out}` first")
+            return 2
+        report = json.loads(source.read_text())
+    else:
+        with console.status("starting…") as status:
+            report = run_sync(args.out, phases, args.scale, args.seed,
+                              lambda msg: status.update(f"[bold]bench[/] {msg}"))
     plots = write_plots(report, args.out)
     console.print(summary_table(report))
-    console.print(f"wrote {args.out / 'bench.json'} and {', '.join(str(p) for p in plots)}")
+    written = [str(p) for p in plots] if args.plot_only else [str(args.out / "bench.json"),
+                                                               *map(str, plots)]
+    console.print(f"wrote {', '.join(written)}")
     return 0

@@ -57,9 +57,9 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         for name, row in acc.items():
             lo, hi = row["ci95"]
             ax.errorbar(row["ttft_p50_s"] * 1000, row["accuracy"], fmt="o", capsize=4,
-                        yerr=[[row["accuracy"] - lo], [hi - row["accuracy"]]])
-            ax.annotate(name, (row["ttft_p50_s"] * 1000, row["accuracy"]),
-                        textcoords="offset points", xytext=(5, 5))
+                        yerr=[[row["accuracy"] - lo], [hi - row["accuracy"]]],
+                        label=f"{name} ({row['correct']}/{row['n']})")
+        ax.legend(fontsize=8)
         ax.set_xlabel("TTFT p50 (ms)")
         ax.set_ylabel("accuracy (gold substring, 95% CI)")
         ax.set_title("Answer quality vs latency per mode")
