@@ -4,9 +4,11 @@ Every figure is measured side by side in one run against a baseline in the same 
 engines (stock vLLM with prefix caching = plugin off, and minipic) are up at once and each
 phase runs the same workload on both. Phases:
 
-* ``throughput`` — 2Wiki-shaped RAG batch: samples/s for vanilla (prefix mode on stock vLLM),
-  minipic barrier, minipic ISPS; plus the PIC-off overhead (prefix mode on the minipic engine
-  vs stock) and cache hit rates.
+* ``throughput`` — 2Wiki-shaped RAG batch, cold cache: samples/s for vanilla (prefix mode on
+  stock vLLM), minipic barrier, minipic ISPS; plus the PIC-off overhead (prefix mode on the
+  minipic engine vs stock), cache hit rates, KV memory in use (peak and mean blocks, from the
+  engine's own step statistics: ``orchestrator.kv_usage``) and the time after the batch's last
+  span prefill (barrier's prefill-free tail: the most ISPS can overlap).
 * ``ttft`` — long contexts (~2k tokens) whose spans are warm vs vanilla, p50/p95, and sweeps of
   TTFT vs number of spans and vs span length.
 * ``agent`` — tool descriptions and memories reused across turns in changing order.
