@@ -46,15 +46,15 @@ in ms, min over 5-15 runs, every block read at its home slot (PIC off)::
     prefill 1 x 512                      4.02     4.51     9.73    16.5
     2 prefills x 256 + 6 decode x 512    2.27     2.69     9.65    12.3
 
-``torch`` is the pure-torch backend (``kernels.paged_attention_rope_ref`` per request, keys
-rotated on every read); ``scratch`` (as first built, before the pool) rotated every request's
-keys into a fresh scratch cache per step and called vLLM's C++ kernel; ``auto`` is this module's
-default (C++ kernel on region [2], the off-home path only for off-home requests). With the pool,
-``MINIPIC_CPU_ATTN=scratch`` sends every request through the pool. Both rotate-on-every-read options cost 3-80x the stock kernel, and a
-SmolLM2 step runs 30 layers, so they would multiply decode time; ``auto`` adds 0.1-0.5 ms per
-layer (the extra writes and one rotary call). Whole engine, SmolLM2 fp32, PIC off, minipic /
-stock wall time (``benchmarks/pic_overhead.py``, worker pinned to the quieter core; an A/A run of
-two stock engines gave 1.00 / 1.01)::
+``torch`` is the pure-torch backend (``kernels.paged_attention_rope_ref`` per request, keys rotated
+on every read); ``scratch`` (as first built, before the pool) rotated every request's keys into a
+fresh scratch cache per step and called vLLM's C++ kernel; ``auto`` is this module's default (C++
+kernel on region [2], the off-home path only for off-home requests). With the pool,
+``MINIPIC_CPU_ATTN=scratch`` sends every request through the pool. Both rotate-on-every-read options
+cost 3-80x the stock kernel, and a SmolLM2 step runs 30 layers, so they would multiply decode time;
+``auto`` adds 0.1-0.5 ms per layer (the extra writes and one rotary call). Whole engine, SmolLM2
+fp32, PIC off, minipic / stock wall time (``benchmarks/pic_overhead.py``, worker pinned to the
+quieter core; an A/A run of two stock engines gave 1.00 / 1.01)::
 
     path      prefill 2 x 384   decode 8 x 64 + 64 tokens   JSON in results/
     auto          1.00              0.97 (rounds 0.92, 1.02)    pic_overhead.json

@@ -61,3 +61,21 @@ def test_wilson_interval_covers_the_proportion_and_narrows_with_n():
     # the textbook value: 50/100 -> 0.404..0.596
     assert wilson_interval(50, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
     assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_plot_only_redraws_from_bench_json(tmp_path):
+    """``minipic bench --plot-only`` turns a saved report into the four figures, and says what
+    to run when there is no report."""
+    import shutil
+    from pathlib import Path
+
+    from minipic.cli import main
+
+    report = Path(__file__).resolve().parents[1] / "results" / "bench" / "bench.json"
+    shutil.copy(report, tmp_path / "bench.json")
+    assert main(["bench", "--plot-only", "--out", str(tmp_path)]) == 0
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["accuracy_vs_ttft.png", "agent_memory.png", "throughput.png",
+                    "ttft_sweeps.png"]
+    assert all((tmp_path / p).stat().st_size > 10_000 for p in pngs)
+    assert main(["bench", "--plot-only", "--out", str(tmp_path / "missing")]) == 2
