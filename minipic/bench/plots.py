@@ -23,10 +23,17 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
     if "throughput" in report:
         systems = report["throughput"]["systems"]
-        fig, (ax, ax_kv) = plt.subplots(1, 2, figsize=(10, 3.8))
+        fig, (ax, ax_kv) = plt.subplots(1, 2, figsize=(12, 4.2))
         names = list(systems)
         colors = ["#888", "#aaa", "#6a9fd8", "#1f5fa8"][: len(names)]
-        ax.bar(names, [systems[n]["samples_per_s"] for n in names], color=colors)
+        ax.bar(names, [systems[n]["samples_per_s"] for n in names], color=colors,
+               label="cold cache")
+        warm = report["throughput"].get("steady_state")
+        if warm:
+            ax.bar(["vanilla (warm)", "minipic_isps (warm)"],
+                   [warm["vanilla"]["samples_per_s"], warm["minipic_isps"]["samples_per_s"]],
+                   color=["#888", "#1f5fa8"], hatch="//", label="warm corpus")
+            ax.legend(fontsize=8)
         ax.set_ylabel("samples / s")
         ax.set_title("RAG throughput (2Wiki-shaped, same engine build)")
         ax.tick_params(axis="x", labelrotation=15)

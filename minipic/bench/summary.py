@@ -16,6 +16,12 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("ISPS / vanilla", f"{t['isps_vs_vanilla']:.2f}x"))
         rows.append(("ISPS / barrier", f"{t['isps_vs_barrier']:.2f}x"))
         rows.append(("PIC-off overhead", f"{t['pic_off_overhead']:+.1%}"))
+        if "steady_state" in t:
+            w = t["steady_state"]
+            rows.append(("warm corpus samples/s", f"vanilla {w['vanilla']['samples_per_s']:.2f}, "
+                         f"ISPS {w['minipic_isps']['samples_per_s']:.2f} "
+                         f"({w['isps_vs_vanilla']:.2f}x; hit rate "
+                         f"{w['minipic_isps']['hit_rate']:.0%} vs {w['vanilla']['hit_rate']:.0%})"))
         kv = t["kv_cache"]
         rows.append(("KV bytes / token", f"stock {kv['stock']['bytes_per_token']}, minipic "
                      f"{kv['minipic']['bytes_per_token']} (position-free pages)"))
