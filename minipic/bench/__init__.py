@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from minipic.bench.runner import PHASES
 
@@ -18,8 +19,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
             "(KV memory in use included). "
             "Phases: throughput (vanilla vs minipic barrier vs ISPS, PIC-off overhead), ttft "
             "(~2k-token contexts, sweeps over span count and length), agent (tool memory), "
-            "accuracy (full attention vs block_attention vs boundary_recompute). About 15 "
-            "minutes at --scale 1 on 2 cores (measured: 13 min plus set-up)."
+            "accuracy (full attention vs block_attention vs boundary_recompute). About 16 "
+            "minutes at --scale 1 on 2 cores (measured: 16 min plus set-up)."
         ),
     )
     p.add_argument("--out", type=Path, default=Path("results/bench"),
@@ -38,7 +39,6 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from minipic.bench.plots import write_plots
-    from minipic.bench.runner import run_sync
     from minipic.bench.summary import summary_table
 
     console = Console()
@@ -54,12 +54,42 @@ def run(args: argparse.Namespace) -> int:
             return 2
         report = json.loads(source.read_text())
     else:
-        with console.status("starting…") as status:
-            report = run_sync(args.out, phases, args.scale, args.seed,
-                              lambda msg: status.update(f"[bold]bench[/] {msg}"))
+        report = _run_with_progress(console, args.out, phases, args.scale, args.seed)
     plots = write_plots(report, args.out)
     console.print(summary_table(report))
     written = [str(p) for p in plots] if args.plot_only else [str(args.out / "bench.json"),
                                                                *map(str, plots)]
     console.print(f"wrote {', '.join(written)}")
     return 0
+
+
+def _run_with_progress(console: Any, out: Path, phases: list[str], scale: float,
+                       seed: int) -> dict[str, Any]:
+    """Run the phases under one progress bar: a step per engine start, batch, sweep point,
+    agent turn or accuracy mode, with the current step's name and the elapsed time."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from minipic.bench.runner import Bench, run_sync
+
+    total = Bench(scale, seed, lambda _: None).planned_steps(phases)
+    columns = (TextColumn("[bold]bench[/]"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("starting", total=total)
+        started = [False]
+
+        def step(message: str) -> None:
+            if started[0]:  # a new step starts: the previous one is done
+                progress.advance(task)
+            started[0] = True
+            progress.update(task, description=message)
+
+        report = run_sync(out, phases, scale, seed, step)
+        progress.update(task, completed=total, description="done")
+    return report

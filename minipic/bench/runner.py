@@ -85,6 +85,12 @@ class Bench:
     def _n(self, base: int, minimum: int = 2) -> int:
         return max(minimum, round(base * self.scale))
 
+    def planned_steps(self, phases: Sequence[str]) -> int:
+        """How many ``progress`` calls a run of ``phases`` makes (for a progress bar)."""
+        per_phase = {"throughput": 4 * 2 + 2, "ttft": 1 + 4 + 3, "agent": self._n(8, 4),
+                     "accuracy": 3}
+        return 2 + sum(per_phase[p] for p in phases)  # 2: the engine starts
+
     async def start(self, max_model_len: int) -> None:
         from orchestrator import Orchestrator
 
