@@ -281,6 +281,12 @@ class _HomeSlots:
             torch.int32
         )
 
+    def slots_of(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Home slot of each of ``blocks`` (-1: never written)."""
+        if blocks.numel():
+            self._ensure(int(blocks.max()))
+        return self.slot[blocks]
+
     def requests_off_home(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                           block_size: int) -> torch.Tensor:
         """Bool ``[num_reqs]``: request reads at least one block away from its home slot."""
@@ -413,7 +419,8 @@ def plan_step(home: _HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.T
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     home.record_writes(blocks, write_positions, block_size)
     rotated = rotated if rotated is not None else RotatedBlocks()
-    rotated.invalidate(blocks.unique().tolist())
+    if rotated.by_block:  # an empty pool has nothing to invalidate (every PIC-off step)
+        rotated.invalidate(blocks.unique().tolist())
     if path == "auto":
         off = home.requests_off_home(block_table, lens, block_size)
     else:
@@ -457,8 +464,9 @@ def _off_home_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
     lens = seq_lens.tolist()
     width = max(-(-lens[i] // block_size) for i in reqs)
     table = torch.zeros(len(reqs), width, dtype=torch.int32)
-    home_slot = home.slot.tolist()
-    physical = block_table[reqs, :width].tolist()
+    table_blocks = block_table[reqs, :width].long()
+    physical = table_blocks.tolist()
+    home_of = home.slots_of(table_blocks).tolist()  # only the blocks read
     in_use: set[tuple[int, int]] = set()
     home_fill: list[tuple[int, int]] = []
     rot_fill: list[tuple[int, int, int, int]] = []  # entry, block, slot, valid tokens
@@ -470,7 +478,7 @@ def _off_home_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
             entry, fill = rotated.lookup((slot, block), in_use)
             row.append(entry)
             if fill:
-                if home_slot[block] == slot:
+                if home_of[r][slot] == slot:
                     home_fill.append((entry, block))
                 else:
                     valid = min(block_size, lens[i] - slot * block_size)

@@ -56,7 +56,8 @@ class EmbeddedBackend:
     """In-process engine. Build with ``EmbeddedBackend.start(settings)`` (blocks while vLLM
     loads the model, tens of seconds on CPU)."""
 
-    def __init__(self, engine: Any, settings: EngineSettings) -> None:
+    def __init__(self, engine: Any, settings: EngineSettings,
+                 kv_usage: KVUsageMonitor | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.info = BackendInfo(
@@ -66,8 +67,8 @@ class EmbeddedBackend:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        # KV blocks in use, from the engine's step statistics (set by ``start``)
-        self.kv_usage = KVUsageMonitor(position_free=False)
+        # KV blocks in use, from the engine's step statistics (wired in by ``start``)
+        self.kv_usage = kv_usage or KVUsageMonitor(position_free=False)
 
     @classmethod
     def start(cls, settings: EngineSettings) -> EmbeddedBackend:
@@ -78,8 +79,7 @@ class EmbeddedBackend:
         with _environ(settings.plugin_env()):
             engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings.llm_kwargs()),
                                                stat_loggers=[monitor.stat_logger_factory()])
-        backend = cls(engine, settings)
-        backend.kv_usage = monitor
+        backend = cls(engine, settings, monitor)
         # Imports during start-up may store an exception whose traceback keeps this frame
         # alive; it must not keep the engine alive past close() too.
         del engine
