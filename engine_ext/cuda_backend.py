@@ -77,6 +77,7 @@ class MinipicCudaMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool = True
+    key_start: torch.Tensor | None = None  # [num_tokens] span isolation (None: causal only)
 
 
 class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
@@ -91,11 +92,19 @@ class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
         cm = common_attn_metadata
         if not isinstance(cm.causal, bool):
             raise NotImplementedError("minipic CUSTOM backend: per-request causality")
+        from engine_ext.span_isolation import step_key_starts
+
+        # Span isolation needs host copies of the step's lengths (one sync per step, shared by
+        # all layers); the result goes to the device once.
+        key_start = step_key_starts(cm.query_start_loc_cpu[: cm.num_reqs + 1],
+                                    cm.seq_lens[: cm.num_reqs].cpu(),
+                                    self.kv_cache_spec.block_size)
         return MinipicCudaMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
             query_start_loc=cm.query_start_loc[: cm.num_reqs + 1],
             seq_lens=cm.seq_lens[: cm.num_reqs],
+            key_start=None if key_start is None else key_start.to(self.device),
             block_table=cm.block_table_tensor[: cm.num_reqs],
             slot_mapping=cm.slot_mapping,
             causal=cm.causal,
@@ -174,5 +183,6 @@ class MinipicCudaAttentionImpl(AttentionImpl[MinipicCudaMetadata]):
             attn_metadata.seq_lens, attn_metadata.query_start_loc, rope.cos_sin_cache,
             rope.rotary_dim, rope.is_neox_style, self.scale, attn_metadata.causal,
             out=output[:n], max_query_len=attn_metadata.max_query_len,
+            key_start=attn_metadata.key_start,
         )
         return output

@@ -7,7 +7,10 @@ orchestrator, the tests) set together with the span configuration. When enabled 
 
 * ``hash``  — SSEP/PDEP block hashing (``engine_ext/span_hashing.py``; used in the EngineCore);
 * ``rope``  — unrotated keys + RoPE inside attention (``engine_ext/rope_attention_backend.py`` and
-  ``engine_ext/unrotated_keys.py``; used in the worker), when that module is present;
+  ``engine_ext/unrotated_keys.py``) and span isolation (``engine_ext/span_isolation.py``); used in
+  the worker;
+* ``holes`` — with ``hash`` and ``rope``: the lookup continues past misses and computes only the
+  holes (``engine_ext/hole_lookup.py``; EngineCore);
 * ``ckpt``  — sparse recurrent-state checkpoints for hybrid models
   (``engine_ext/recurrent_checkpoints.py``; used in the EngineCore, settings in
   ``MINIPIC_CKPT_CONFIG``). Not on by default; hybrid engines run with it instead of ``hash``.
@@ -44,14 +47,21 @@ def register() -> None:
 
         span_hashing.install(config)
         installed.add("hash")
+        if "holes" in features and "rope" in features:
+            # Hits past a miss are only sound when the worker isolates spans (hole_lookup's
+            # docstring), which comes with the position-free backend.
+            from engine_ext import hole_lookup
+
+            hole_lookup.install()
+            installed.add("holes")
     if "rope" in features:
-        try:
-            from engine_ext import rope_attention_backend
-        except ImportError:  # the position-free backend is not part of this build yet
-            rope_attention_backend = None
-        if rope_attention_backend is not None:
-            rope_attention_backend.install(config)
-            installed.add("rope")
+        # No fallback on ImportError: span hashing without position-free attention gives wrong
+        # answers (tests/test_position_free.py), so a broken import must stop the engine.
+        from engine_ext import rope_attention_backend, span_isolation
+
+        rope_attention_backend.install(config)
+        span_isolation.install(config)
+        installed.add("rope")
     if "ckpt" in features:
         from engine_ext import recurrent_checkpoints
 

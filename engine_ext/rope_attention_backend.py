@@ -155,6 +155,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVQuantMode,
 )
 
+from engine_ext.span_isolation import step_key_starts  # noqa: E402
 from kernels import paged_attention_rope_ref  # noqa: E402
 
 
@@ -288,17 +289,24 @@ class _HomeSlots:
         return self.slot[blocks]
 
     def requests_off_home(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                          block_size: int) -> torch.Tensor:
-        """Bool ``[num_reqs]``: request reads at least one block away from its home slot."""
+                          block_size: int, slot_offset: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+        """Bool ``[num_reqs]``: request reads at least one block away from its home slot.
+
+        ``slot_offset[i]``: the table slot that column 0 of row ``i`` stands for (a row of an
+        isolated segment starts at its SSEP block; None: every row starts at slot 0).
+        """
         num_blocks = torch.div(seq_lens + block_size - 1, block_size, rounding_mode="floor")
         width = int(num_blocks.max()) if num_blocks.numel() else 0
         if width == 0:
             return torch.zeros(seq_lens.shape, dtype=torch.bool)
         table = block_table[:, :width].long()
         self._ensure(int(table.max()))
-        col = torch.arange(width, dtype=torch.int32)
+        col = torch.arange(width, dtype=torch.int32).unsqueeze(0)
+        if slot_offset is not None:
+            col = col + slot_offset.to(torch.int32).unsqueeze(1)
         at_home = self.slot[table] == col
-        used = col.unsqueeze(0) < num_blocks.unsqueeze(1)
+        used = torch.arange(width).unsqueeze(0) < num_blocks.unsqueeze(1)
         return (used & ~at_home).any(dim=1)
 
 
@@ -386,6 +394,7 @@ class StepPlan:
     write_positions: torch.Tensor  # [W] int64 logical positions of those rows
     off_home: OffHomeBatch | None  # requests that need RoPE-in-attention from region [0]
     home: SubBatch | None  # with off_home: the other requests (None: every request is home)
+    key_start: torch.Tensor | None = None  # [num_tokens] first visible key (None: causal)
 
 
 ScheduleFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -394,13 +403,19 @@ ScheduleFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def plan_step(home: _HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
               block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
               path: str, scheduler_metadata: ScheduleFn | None,
-              rotated: RotatedBlocks | None = None) -> StepPlan:
+              rotated: RotatedBlocks | None = None,
+              key_start: torch.Tensor | None = None) -> StepPlan:
     """Positions, home-slot bookkeeping and the off-home sub-batch of one step.
 
     ``query_start_loc`` / ``seq_lens`` / ``block_table`` cover exactly the step's requests and
     ``slot_mapping`` its tokens. ``scheduler_metadata(qsl, seq_lens)`` builds the C++ kernel's
     work split for a sub-batch (None for the pure-torch path). ``rotated`` is the group's
-    rotated-block pool (kept across steps; a fresh one when None).
+    rotated-block pool (kept across steps; a fresh one when None). ``key_start[t]`` is the first
+    key token ``t`` may attend to (span isolation, ``engine_ext/span_isolation.py``; None: all
+    causal): the C++ kernel has no such mask, so each run of a request's queries with one
+    ``key_start`` becomes its own kernel row whose table starts at that key's block
+    (:func:`_isolated_rows`); RoPE is relative and keys are rotated by their true slot, so
+    the shifted row computes exactly the masked attention.
     """
     num_reqs = seq_lens.numel()
     num_tokens = slot_mapping.numel()
@@ -421,20 +436,56 @@ def plan_step(home: _HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.T
     rotated = rotated if rotated is not None else RotatedBlocks()
     if rotated.by_block:  # an empty pool has nothing to invalidate (every PIC-off step)
         rotated.invalidate(blocks.unique().tolist())
+    offset = None
+    if key_start is not None and path != "torch":
+        qsl, lens, block_table, offset = _isolated_rows(qsl, lens, block_table, positions,
+                                                        key_start, block_size)
     if path == "auto":
-        off = home.requests_off_home(block_table, lens, block_size)
+        off = home.requests_off_home(block_table, lens, block_size, offset)
     else:
-        off = torch.ones(num_reqs, dtype=torch.bool)
+        off = torch.ones(lens.numel(), dtype=torch.bool)
     off_home = home_batch = None
-    if bool(off.any()):
-        off_home = _off_home_batch(off.nonzero().flatten().tolist(), qsl, lens, block_table,
-                                   block_size, home, rotated,
-                                   None if path == "torch" else scheduler_metadata)
+    if bool(off.any()) or offset is not None:
+        if bool(off.any()):
+            off_home = _off_home_batch(off.nonzero().flatten().tolist(), qsl, lens,
+                                       block_table, block_size, home, rotated,
+                                       None if path == "torch" else scheduler_metadata,
+                                       None if offset is None else offset.tolist())
         home_batch = _sub_batch((~off).nonzero().flatten().tolist(), qsl, lens, block_table,
                                 scheduler_metadata)
     return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
                     write_blocks=blocks, write_offsets=slots - blocks * block_size,
-                    write_positions=write_positions, off_home=off_home, home=home_batch)
+                    write_positions=write_positions, off_home=off_home, home=home_batch,
+                    key_start=key_start)
+
+
+def _isolated_rows(qsl: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                   positions: torch.Tensor, key_start: torch.Tensor, block_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel rows for a step with isolated segments: one per run of a request's queries that
+    share a ``key_start``, in token order (so query rows need no permutation).
+
+    Row ``k`` covers keys ``key_start .. last query of the run``: its table is the request's
+    table from block ``key_start // block_size`` on, its length counts from ``key_start``, and
+    ``offset[k]`` says which table slot its column 0 is (home slots and rotated-pool entries
+    stay keyed by the true slot). Returns ``(qsl, seq_lens, block_table, offset)``.
+    """
+    num_tokens = positions.numel()
+    q_lens = qsl[1:] - qsl[:-1]
+    req_of_token = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens,
+                                           output_size=num_tokens)
+    first = torch.ones(num_tokens, dtype=torch.bool)
+    first[1:] = (req_of_token[1:] != req_of_token[:-1]) | (key_start[1:] != key_start[:-1])
+    starts = first.nonzero().flatten()
+    row_qsl = torch.cat([starts, torch.tensor([num_tokens])])
+    row_req = req_of_token[starts]
+    row_key_start = key_start[starts]
+    row_lens = positions[row_qsl[1:] - 1] + 1 - row_key_start
+    offset = torch.div(row_key_start, block_size, rounding_mode="floor")
+    width = int(torch.div(row_lens + block_size - 1, block_size, rounding_mode="floor").max())
+    cols = (offset.unsqueeze(1) + torch.arange(width)).clamp(max=block_table.shape[1] - 1)
+    table = torch.gather(block_table[row_req].long(), 1, cols).to(block_table.dtype)
+    return row_qsl, row_lens, table, offset
 
 
 def _sub_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
@@ -457,9 +508,12 @@ def _sub_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
 
 def _off_home_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, block_size: int, home: _HomeSlots,
-                    rotated: RotatedBlocks, scheduler_metadata: ScheduleFn | None
-                    ) -> OffHomeBatch:
-    """The off-home requests with a block table into the rotated pool, and what to fill."""
+                    rotated: RotatedBlocks, scheduler_metadata: ScheduleFn | None,
+                    slot_offset: list[int] | None = None) -> OffHomeBatch:
+    """The off-home requests with a block table into the rotated pool, and what to fill.
+
+    ``slot_offset[i]``: the true table slot of column 0 of row ``i`` (isolated rows).
+    """
     base = _sub_batch(reqs, qsl, seq_lens, block_table, scheduler_metadata)
     lens = seq_lens.tolist()
     width = max(-(-lens[i] // block_size) for i in reqs)
@@ -472,16 +526,17 @@ def _off_home_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
     rot_fill: list[tuple[int, int, int, int]] = []  # entry, block, slot, valid tokens
     for r, i in enumerate(reqs):
         n = -(-lens[i] // block_size)
+        shift = slot_offset[i] if slot_offset is not None else 0
         row = []
-        for slot in range(n):
-            block = physical[r][slot]
+        for col in range(n):
+            block, slot = physical[r][col], shift + col
             entry, fill = rotated.lookup((slot, block), in_use)
             row.append(entry)
             if fill:
-                if home_of[r][slot] == slot:
+                if home_of[r][col] == slot:
                     home_fill.append((entry, block))
                 else:
-                    valid = min(block_size, lens[i] - slot * block_size)
+                    valid = min(block_size, lens[i] - col * block_size)
                     rot_fill.append((entry, block, slot, valid))
         table[r, :n] = torch.tensor(row, dtype=torch.int32)
     return OffHomeBatch(
@@ -531,12 +586,15 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if not self.position_free or self.is_cross_attention or self.is_encoder_only_attention:
             return md
         cm = common_attn_metadata
+        query_start_loc = cm.query_start_loc[: cm.num_reqs + 1]
+        seq_lens = cm.seq_lens[: cm.num_reqs]
         plan = plan_step(
-            self.home, cm.query_start_loc[: cm.num_reqs + 1], cm.seq_lens[: cm.num_reqs],
+            self.home, query_start_loc, seq_lens,
             cm.block_table_tensor[: cm.num_reqs], cm.slot_mapping[: cm.num_actual_tokens],
             self.block_size, self.path,
             None if self.path == "torch" else functools.partial(self._schedule, md.causal),
             self.rotated,
+            key_start=step_key_starts(query_start_loc, seq_lens, self.block_size),
         )
         md.plan = plan
         return md
@@ -742,6 +800,7 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
             batch.global_block_table, batch.seq_lens, batch.query_start_loc,
             rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style, self.scale,
             causal=bool(causal),
+            key_start=None if plan.key_start is None else plan.key_start[batch.rows],
         )
         output[batch.rows] = sub_out
         return output

@@ -24,6 +24,11 @@ PDEP block gets the salt in its extra keys; LoRA and multimodal keys are already
 
 Blocks with no special token at their start hash exactly as in stock vLLM, so a prompt without
 SSEP/PDEP gets the stock hashes (PIC off == stock vLLM).
+
+Opt-in: only a request that asked for span semantics (``extra_args["minipic_spans"]``, see
+``minipic.span_config.spans_opted_in``) gets SSEP/PDEP hashing; any other request gets the stock
+chain for every block, whatever its tokens are — a plain client whose text happens to encode to
+the marker ids must not share KV with span requests.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from minipic.span_config import SpanConfig
+from minipic.span_config import SpanConfig, spans_opted_in
 
 PDEP_TAG = ("minipic", "pdep")
 FULL_CHAIN_ATTR = "_minipic_full_chain"
@@ -72,6 +77,7 @@ def make_span_block_hasher(
         prev_pic = request.block_hashes[-1] if request.block_hashes else None
         prev_full = full_chain[-1] if full_chain else None
         token_ids = request.all_token_ids
+        span_semantics = spans_opted_in(getattr(request, "sampling_params", None))
         mm_idx = 0
         if start > 0 and request.mm_features:
             mm_idx, _ = kcu.get_mm_features_in_window(
@@ -83,8 +89,10 @@ def make_span_block_hasher(
             extra, mm_idx = kcu.generate_block_hash_extra_keys(request, start, end, mm_idx)
             block = token_ids[start:end]
             full = kcu.hash_block_tokens(caching_hash_fn, prev_full, block, extra)
-            first = block[0]
-            if first == ssep:
+            first = block[0] if span_semantics else None
+            if first is None:
+                pic = full
+            elif first == ssep:
                 pic = kcu.hash_block_tokens(
                     caching_hash_fn, None, block, _with_salt(request, extra, start)
                 )
@@ -93,6 +101,8 @@ def make_span_block_hasher(
                 pic = kcu.hash_block_tokens(
                     caching_hash_fn, prev_full, block, (*(salted or ()), PDEP_TAG)
                 )
+            elif prev_pic == prev_full:  # no marker so far: the stock chain
+                pic = full
             else:
                 pic = kcu.hash_block_tokens(caching_hash_fn, prev_pic, block, extra)
             full_chain.append(full)

@@ -71,6 +71,7 @@ def paged_attention_rope_ref(
     causal: bool = True,
     *,
     out: torch.Tensor | None = None,
+    key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a ragged batch whose (unrotated) keys live in a paged cache.
 
@@ -90,6 +91,8 @@ def paged_attention_rope_ref(
         causal: if True, query at position p attends to keys ``0..=p``; else to all keys.
         out: optional output buffer ``[num_tokens, num_heads, head_size]``; rows past
             ``query_start_loc[-1]`` are left untouched.
+        key_start: optional ``[num_tokens]`` int, the first key each query may attend to
+            (span isolation, ``engine_ext/span_segments.py``); keys before it are masked.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (zeros in rows that belong
@@ -134,13 +137,26 @@ def paged_attention_rope_ref(
             c1 = min(q_len, c0 + chunk)
             # scores[h, g, t, j] for query head h*group+g, query t, key j.
             scores = torch.einsum("thgd,jhd->hgtj", q[c0:c1], keys) * scale
-            if causal:
-                allowed = key_pos[None, :] <= q_pos[c0:c1, None]  # [t, j]
+            allowed = _visible(key_pos, q_pos[c0:c1], causal, key_start,
+                               q_begin + c0, q_begin + c1)
+            if allowed is not None:
                 scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             o = torch.einsum("hgtj,jhd->thgd", probs, values)
             out[q_begin + c0 : q_begin + c1] = o.reshape(c1 - c0, -1, head_size).to(out.dtype)
     return out
+
+
+def _visible(key_pos: torch.Tensor, q_pos: torch.Tensor, causal: bool,
+             key_start: torch.Tensor | None, row_begin: int, row_end: int
+             ) -> torch.Tensor | None:
+    """``[t, j]`` mask of keys each query sees (None: all), causal and/or from ``key_start``."""
+    allowed = key_pos[None, :] <= q_pos[:, None] if causal else None
+    if key_start is not None:
+        lower = key_start[row_begin:row_end].to(key_pos.device)
+        after = key_pos[None, :] >= lower[:, None]
+        allowed = after if allowed is None else allowed & after
+    return allowed
 
 
 def dense_attention_ref(
@@ -153,6 +169,7 @@ def dense_attention_ref(
     is_neox: bool,
     scale: float,
     causal: bool = True,
+    key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Independent formulation on contiguous tensors, for validating the paged path.
 
@@ -161,7 +178,7 @@ def dense_attention_ref(
         keys: per request, ``[seq_len_i, num_kv_heads, head_size]`` unrotated keys in logical
             order (row j is the key at position j).
         values: per request, same shapes as ``keys``.
-        query_start_loc, cos_sin_cache, rotary_dim, is_neox, scale, causal: as in
+        query_start_loc, cos_sin_cache, rotary_dim, is_neox, scale, causal, key_start: as in
             :func:`paged_attention_rope_ref`; ``seq_len_i`` is ``len(keys[i])``.
 
     Returns ``[num_tokens, num_heads, head_size]`` in ``query.dtype``; rows belonging to no
@@ -187,6 +204,9 @@ def dense_attention_ref(
         # Bottom-right aligned causal mask: query t is at absolute position seq_len - q_len + t.
         q_abs = torch.arange(q_len, device=dev)[:, None] + (seq_len - q_len)
         mask = k_pos[None, :] <= q_abs if causal else None
+        if key_start is not None:
+            lower = key_start[q_begin:q_end].to(dev)[:, None]
+            mask = (k_pos[None, :] >= lower) & (mask if mask is not None else True)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[q_begin:q_end] = o.transpose(0, 1).to(out.dtype)
     return out

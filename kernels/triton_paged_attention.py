@@ -59,6 +59,7 @@ def _paged_attention_rope_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    key_start_ptr,
     num_reqs,
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
@@ -90,6 +91,7 @@ def _paged_attention_rope_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_KEY_START: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """One (query tile, KV head) of the ragged batch; see the module docstring for the plan."""
@@ -163,13 +165,19 @@ def _paged_attention_rope_kernel(
     else:
         kv_end = seq_len
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    first_tile = 0
+    if HAS_KEY_START:
+        # Span isolation: query row r sees keys key_start[r] ..; tiles before every row's
+        # start are skipped, the rest masked per row.
+        q_key_start = tl.load(key_start_ptr + q_tok, mask=row_ok, other=0).to(tl.int32)
+        first_tile = tl.min(tl.where(row_ok, q_key_start, 2147483647), 0) // BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
 
-    for tile in range(0, num_tiles):
+    for tile in range(first_tile, num_tiles):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # logical key positions
         key_ok = offs_n < kv_end
         phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -209,6 +217,8 @@ def _paged_attention_rope_kernel(
         ok = row_ok[:, None] & key_ok[None, :]
         if CAUSAL:
             ok = ok & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_KEY_START:
+            ok = ok & (offs_n[None, :] >= q_key_start[:, None])
         s = tl.where(ok, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -281,6 +291,7 @@ def paged_attention_rope_triton(
     max_query_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.paged_attention_ref.paged_attention_rope_ref`.
 
@@ -297,6 +308,8 @@ def paged_attention_rope_triton(
             (vLLM's metadata has it) to avoid a device-to-host sync.
         block_m, block_n: override the tile shape (tests use this to cover tile/block-size
             combinations).
+        key_start: ``[num_tokens]`` int, first key each query may attend to (span isolation);
+            None: plain causal.
 
     Preconditions not checked here because checking needs a device-to-host sync:
     ``cos_sin_cache`` covers every position ``< max(seq_lens)``, and every block-table entry
@@ -343,6 +356,7 @@ def paged_attention_rope_triton(
         block_table,
         seq_lens,
         query_start_loc,
+        key_start if key_start is not None else seq_lens,
         num_reqs,
         scale * _LOG2E,
         *query.stride(),
@@ -363,6 +377,7 @@ def paged_attention_rope_triton(
         BLOCK_N=bn,
         BLOCK_SIZE=block_size,
         CAUSAL=causal,
+        HAS_KEY_START=key_start is not None,
         DOT_FP32=query.dtype == torch.float32 or (interpreted and query.dtype == torch.bfloat16),
         num_warps=num_warps,
     )

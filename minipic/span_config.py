@@ -21,9 +21,10 @@ FEATURES_ENV = "MINIPIC_FEATURES"
 # Settings of the ``ckpt`` feature (JSON of ``engine_ext.checkpoint_policy.CheckpointConfig``).
 CKPT_CONFIG_ENV = "MINIPIC_CKPT_CONFIG"
 # What the plugin does when enabled. ``hash``: SSEP/PDEP block hashing (EngineCore).
-# ``rope``: unrotated keys + RoPE inside attention (worker). Both by default; tests switch them
-# separately to show what each one is for.
-ALL_FEATURES = ("hash", "rope")
+# ``rope``: unrotated keys + RoPE inside attention + span isolation (worker). ``holes``: the
+# lookup continues past misses and computes only the holes (EngineCore; needs hash + rope).
+# All three by default; tests and benchmarks switch them separately to show what each is for.
+ALL_FEATURES = ("hash", "rope", "holes")
 # Known but not on by default: ``ckpt`` = sparse recurrent-state checkpoints for hybrid models
 # (EngineCore; ``engine_ext/recurrent_checkpoints.py``). Hybrid models run with it *instead of*
 # ``hash``, which refuses them.
@@ -81,3 +82,17 @@ def enabled_features(environ: dict[str, str] | None = None) -> frozenset[str]:
         return frozenset()
     raw = env.get(FEATURES_ENV, ",".join(ALL_FEATURES))
     return frozenset(f.strip() for f in raw.split(",") if f.strip())
+
+
+# Span semantics are opt-in per request: ``SamplingParams(extra_args={SPANS_OPT_IN_KEY: True})``,
+# or ``"vllm_xargs": {"minipic_spans": true}`` on the OpenAI routes. A request without it gets
+# stock vLLM hashing and attention whatever its text contains (a plain client whose prompt
+# happens to contain ``<file_sep>`` must not change how its tokens attend or hit).
+SPANS_OPT_IN_KEY = "minipic_spans"
+
+
+def spans_opted_in(sampling_params: object) -> bool:
+    """Whether a request asked for span semantics (SSEP/PDEP hashing, lookup and isolation)."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    value = extra.get(SPANS_OPT_IN_KEY) if isinstance(extra, dict) else None
+    return value is True or value == 1 or (isinstance(value, str) and value.lower() == "true")

@@ -139,7 +139,8 @@ def reusable_block_mask(segments: Sequence[Segment], n_tokens: int, block_size: 
 
 
 def expected_cached_tokens(segments: Sequence[Segment], n_tokens: int, block_size: int) -> int:
-    """Cache hit of stock vLLM's lookup once every prefill ran: consecutive reusable blocks."""
+    """Cache hit of a prefix-only lookup once every prefill ran: consecutive reusable blocks
+    (``BuiltPrompt.leading_cached_tokens``; minipic's engine takes ``reusable_tokens``)."""
     hit = 0
     for ok in reusable_block_mask(segments, n_tokens, block_size):
         if not ok:

@@ -3,10 +3,15 @@
 Notation below: ``S`` = SSEP, ``P`` = PDEP, ``_`` = PAD, ``|`` = block boundary,
 ``sys`` = the system span (BOS / chat-template header + system prompt + the user-turn header),
 ``d_i`` = span i's tokens, ``q`` = the question with the template's tail (end of the user turn and
-the assistant header). Reuse is stated for an engine running the minipic block hasher and vLLM's
-stock prefix lookup (consecutive hits from the start, never the last token's block), once every
-span prefill of the prompt ran. ``BuiltPrompt.expected_cached_tokens`` is that number;
-``BuiltPrompt.reusable_tokens`` counts every reusable block, holes allowed.
+the assistant header). Reuse is stated for the minipic engine (span hashing, a lookup that
+continues past misses and computes only the holes, span isolation in attention; never the last
+token's block), once every span prefill of the prompt ran. ``BuiltPrompt.expected_cached_tokens``
+(= ``reusable_tokens``) is that number; ``BuiltPrompt.leading_cached_tokens`` is what a
+prefix-only lookup would take (the engine without its ``holes`` feature).
+
+Attention (the engine's span isolation, DESIGN.md section 2): an SSEP-led segment attends only
+within itself, whichever request computes it; everything else attends to all before it. So the
+output of a prompt does not depend on which spans were warm: a span prefill only saves compute.
 """
 
 from __future__ import annotations
@@ -176,12 +181,13 @@ class BoundaryRecomputeLayout(Layout):
     rest of the head block; ``k >= block_size`` recomputes several blocks. A span with at most
     ``k`` tokens is all head: recomputed, no prefill.
 
-    Reused — be precise here: the body blocks hash like their prefills, so they are *cached*, but
-    vLLM's lookup stops at the first miss and computes everything after it contiguously. With a
-    stock lookup the first head ends the hit: ``expected_cached_tokens`` = the system span only,
-    and spans, heads and question are all recomputed (in context, so outputs are those of a full
-    prefill of these tokens). The bodies are reused only by an engine whose lookup continues past
-    PDEP-led blocks and computes the holes; ``reusable_tokens`` counts that potential.
+    Reused: the system span and every body (they hash like their prefills, and the engine's
+    lookup continues past the PDEP-led heads, computing only the holes): ``expected_cached_tokens``
+    = system + bodies. Recomputed, in context: each head (attending to everything before it,
+    bodies included) and the question. A prefix-only lookup would stop at the first head
+    (``leading_cached_tokens`` = the system span). What it means for attention: each body's KV is
+    the body computed alone (SSEP-led, isolated); heads and question see the whole prompt — the
+    two-pass reference of EPIC/MEPIC.
     """
 
     mode = Mode.BOUNDARY_RECOMPUTE

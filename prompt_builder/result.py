@@ -37,6 +37,23 @@ class SpanInfo(BaseModel):
     truncated_from: int | None = None  # original token count when the budget shortened it
 
 
+class SkippedSpan(BaseModel):
+    """A span left out of the prompt because it has no content: empty text, whitespace only, or
+    text the tokenizer drops entirely (e.g. a lone control character).
+
+    Why skipped and not an error: such spans come from retrievers and tool lists, not from a
+    caller's mistake, and a block of SSEP + PAD alone would carry nothing for the model. Failing
+    the whole question for it would lose a good answer; dropping it silently would hide that the
+    caller's document list was not used as given. So it is left out and named here.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    index: int  # position in the caller's spans list
+    span_id: str | None  # the user's id, when it had one
+    reason: Literal["empty", "whitespace only", "no tokens"]
+
+
 class BuiltPrompt(BaseModel):
     """A span-aware prompt: the ids to send, the prefills to run first, and the layout."""
 
@@ -51,11 +68,16 @@ class BuiltPrompt(BaseModel):
     prefill_keys: list[str]  # parallel to span_prefills; stable across prompts
     segments: list[Segment]  # contiguous, covering [0, len(prompt_token_ids))
     spans: list[SpanInfo]  # system span (if any) first, then spans in prompt order
-    # prompt tokens stock vLLM finds cached once all span_prefills ran (hit stops at first miss)
+    # prompt tokens the minipic engine finds cached once all span_prefills ran: every reusable
+    # block, holes allowed (its lookup continues past misses, engine_ext/hole_lookup.py)
     expected_cached_tokens: int
-    # prompt tokens in reusable blocks anywhere (a lookup that continued past misses)
+    # the same, counted as every reusable block anywhere (equal to expected_cached_tokens)
     reusable_tokens: int
+    # what a stock, prefix-only lookup would find (stops at the first miss; engines started
+    # without the ``holes`` feature): the baseline the benchmarks compare against
+    leading_cached_tokens: int = 0
     budget: BudgetReport | None = None
+    skipped_spans: list[SkippedSpan] = []  # spans with no content, left out (see SkippedSpan)
 
     @property
     def block_size(self) -> int:

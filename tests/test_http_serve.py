@@ -8,6 +8,7 @@ import random
 import httpx
 import pytest
 
+from minipic.span_config import SPANS_OPT_IN_KEY
 from prompt_builder import PromptBuilder
 
 pytestmark = pytest.mark.server
@@ -20,7 +21,8 @@ def text(rng: random.Random, n: int) -> str:
 
 
 def http_cached(base_url: str, ids: list[int], salt: str | None = None) -> int:
-    body = {"model": "minipic", "prompt": ids, "max_tokens": 1}
+    body = {"model": "minipic", "prompt": ids, "max_tokens": 1,
+            "vllm_xargs": {SPANS_OPT_IN_KEY: True}}
     if salt:
         body["cache_salt"] = salt
     resp = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
@@ -36,7 +38,8 @@ def local_cached(llm, ids: list[int], salt: str | None = None) -> int:
     prompt = TokensPrompt(prompt_token_ids=ids)
     if salt:
         prompt["cache_salt"] = salt
-    return llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].num_cached_tokens
+    params = SamplingParams(max_tokens=1, extra_args={SPANS_OPT_IN_KEY: True})
+    return llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens
 
 
 def test_config_endpoint_matches_client_builder(smol_server):

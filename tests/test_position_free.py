@@ -48,6 +48,8 @@ from pic_reference import (  # noqa: E402
     random_ordinary_ids,
 )
 
+from minipic.span_config import SPANS_OPT_IN_KEY  # noqa: E402
+
 pytestmark = pytest.mark.engine
 
 ENGINE_TOL = 1e-4  # logprobs, position-free backend vs stock vLLM
@@ -69,7 +71,8 @@ def tiny_reference(engines) -> Iterator[PicReference]:
 def _sampling(max_tokens: int = 4, logprobs: int = 10):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
+                          extra_args={SPANS_OPT_IN_KEY: True})
 
 
 def _generate(llm, prompts: list[list[int]], params) -> list:

@@ -140,7 +140,8 @@ def test_serve_flags_turn_on_ckpt(tmp_path):
     learn = serve.settings_from_args(parser.parse_args(["serve", "--ckpt-budget", "4"]))
     assert learn.ckpt.learn and learn.ckpt.budget == 4
     plain = serve.settings_from_args(parser.parse_args(["serve"]))
-    assert plain.features == ("hash", "rope") and plain.ckpt is None and plain.dtype == "float32"
+    assert plain.features == ("hash", "rope", "holes") and plain.ckpt is None
+    assert plain.dtype == "float32"
     assert "--prefix-cache-retention-interval" not in plain.model_copy(
         update={"model": "m"}).server_argv("h", 1, "x")
 

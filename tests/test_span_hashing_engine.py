@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from minipic.span_config import SPANS_OPT_IN_KEY
 from prompt_builder import PromptBuilder
 
 pytestmark = pytest.mark.engine
@@ -34,7 +35,8 @@ def cached(llm, ids: list[int], salt: str | None = None) -> int:
     prompt = TokensPrompt(prompt_token_ids=list(ids))
     if salt:
         prompt["cache_salt"] = salt
-    out = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    params = SamplingParams(max_tokens=1, extra_args={SPANS_OPT_IN_KEY: True})
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
     return out.num_cached_tokens
 
 

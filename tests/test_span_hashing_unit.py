@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_ext.span_hashing import make_span_block_hasher
-from minipic.span_config import SpanConfig
+from minipic.span_config import SPANS_OPT_IN_KEY, SpanConfig
 
 pytestmark = pytest.mark.fast
 
@@ -34,13 +34,14 @@ def hashers():
     return stock(BS, fn), make_span_block_hasher(BS, fn, CFG)
 
 
-def make_request(ids: list[int], hasher, salt: str | None = None):
+def make_request(ids: list[int], hasher, salt: str | None = None, opt_in: bool = True):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
+    extra = {SPANS_OPT_IN_KEY: True} if opt_in else None
     return Request(
         request_id=str(random.random()), prompt_token_ids=list(ids),
-        sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+        sampling_params=SamplingParams(max_tokens=1, extra_args=extra), pooling_params=None,
         cache_salt=salt, block_hasher=hasher,
     )
 

@@ -1,0 +1,260 @@
+"""Lookup past misses: reuse every cached span block of a prompt, compute only the holes.
+
+**The vLLM invariant we bend.** vLLM's prefix cache assumes "each hash chains over the full
+prefix" (``vllm/v1/core/kv_cache_utils.py``), so a hit can only ever follow hits:
+``FullAttentionManager.find_longest_cache_hit`` stops at the first miss, and a request is one
+contiguous prefix of computed tokens (``request.num_computed_tokens``). Span hashing
+(``engine_ext/span_hashing.py``) already breaks the premise: an SSEP-led block's hash covers only
+its span, so a span after a cold span (or after a recomputed boundary head) is in the cache but
+the stock lookup never gets there.
+
+**Why attaching a block after a miss is still correct.** Under span semantics every block hash
+names the block's KV exactly, whatever the cache holds, because the worker enforces span
+isolation (``engine_ext/span_segments.py``, applied in ``engine_ext/rope_attention_backend.py``):
+
+* an SSEP-chained block's KV depends only on its span's tokens (its tokens attend only within
+  the span) and its hash covers exactly those tokens (plus salt / LoRA keys);
+* any other block's KV depends on the whole prefix, and so does its hash (the stock chain, or a
+  chain from a PDEP block whose hash covers the full prefix).
+
+Keys are stored unrotated (position-free) and rotated at the position they are read at, so a
+block computed at another offset is the same block. Hence a hit is valid wherever it is found.
+
+**How a request runs** (non-hybrid engines, one KV-cache group, requests that opted in):
+
+1. Admission (``KVCacheManager.get_computed_blocks``): the stock leading run, plus every later
+   block whose hash is cached, up to the block holding the last prompt token (which vLLM always
+   computes). Those blocks are *pinned* at once (reference count + 1, so nothing evicts them
+   before they are used) and kept on the request as runs ``(first block, blocks)``.
+2. Chunking (``Scheduler._reserve_prefill_lookahead``, the last clip before allocation on both
+   the waiting and the running path): a chunk that would run into the next cached run stops at
+   its first block. So each step computes one hole.
+3. Jump (start of ``Scheduler.schedule``): a running request whose computed prefix has reached
+   a cached run gets the run's blocks appended to its block list (already pinned: the pin becomes
+   the request's reference), its ``num_computed_tokens`` advanced over them, and its prefill
+   stats' cached tokens increased — so ``num_cached_tokens`` / HTTP ``cached_tokens`` count every
+   reused token. The blocks reach the worker as "new blocks" of that request in the next
+   ``allocate_slots`` (``KVCacheManager.allocate_slots``), in table order, before the chunk's
+   own new blocks.
+4. ``KVCacheManager.free`` (finish, abort, preemption) unpins whatever was not attached yet.
+
+**Cost.** A prompt with ``h`` holes after its leading hit takes ``h`` engine steps of prefill
+instead of one; the other requests of the batch run in those steps as usual (continuous batching),
+and each step computes only its hole. A prompt whose spans are all warm has one hole (the
+question) and runs exactly as before.
+
+Not covered (stock lookup kept): hybrid models (recurrent state depends on the whole prefix),
+engines with several KV-cache groups, a KV connector, requests without span opt-in.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from minipic.span_config import spans_opted_in
+
+logger = logging.getLogger("vllm.minipic.hole_lookup")
+
+PENDING_ATTR = "_minipic_cached_runs"
+
+_STATE: dict[str, Any] = {"installed": False}
+
+
+@dataclass
+class CachedRuns:
+    """Cached blocks of one request beyond its computed prefix, pinned until attached."""
+
+    runs: list[tuple[int, list[Any]]]  # (first block index, blocks), ascending, disjoint
+    to_deliver: list[Any] = field(default_factory=list)  # attached, not yet sent to the worker
+    attached_tokens: int = 0
+
+    def next_start(self, after_token: int, block_size: int) -> int | None:
+        """First token of the first run that starts after ``after_token``."""
+        for start, _ in self.runs:
+            if start * block_size > after_token:
+                return start * block_size
+        return None
+
+
+def _single_full_attention_manager(kv_cache_manager: Any) -> Any | None:
+    """The one manager of a single-group full-attention engine (None: lookup stays stock)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    managers = getattr(kv_cache_manager.coordinator, "single_type_managers", ())
+    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+        return None
+    manager = managers[0]
+    if manager.block_pool.hash_block_size != manager.block_size:
+        return None
+    return manager
+
+
+def find_cached_runs(kv_cache_manager: Any, request: Any, num_leading_tokens: int
+                     ) -> list[tuple[int, list[Any]]]:
+    """Cached blocks after the leading hit, grouped in runs of consecutive block indices."""
+    manager = _single_full_attention_manager(kv_cache_manager)
+    if manager is None:
+        return []
+    block_size = manager.block_size
+    hashes = request.block_hashes
+    # Never the block holding the last prompt token: vLLM must compute it for the logits.
+    last = min(len(hashes), (request.num_tokens - 1) // block_size)
+    group = [manager.kv_cache_group_id]
+    runs: list[tuple[int, list[Any]]] = []
+    for index in range(num_leading_tokens // block_size + 1, last):
+        hit = manager.block_pool.get_cached_block(hashes[index], group)
+        if hit is None:
+            continue
+        if runs and runs[-1][0] + len(runs[-1][1]) == index:
+            runs[-1][1].append(hit[0])
+        else:
+            runs.append((index, [hit[0]]))
+    return runs
+
+
+def _unpin_runs(kv_cache_manager: Any, pending: CachedRuns) -> None:
+    blocks = [block for _, run in pending.runs for block in run]
+    pending.runs = []
+    if blocks:
+        kv_cache_manager.block_pool.free_blocks(reversed(blocks))
+
+
+def _release(kv_cache_manager: Any, request: Any) -> None:
+    """Unpin the runs a request holds but has not attached (its own blocks are freed by vLLM)."""
+    pending: CachedRuns | None = request.__dict__.pop(PENDING_ATTR, None)
+    if pending is not None:
+        _unpin_runs(kv_cache_manager, pending)
+
+
+def attach_reached_runs(kv_cache_manager: Any, request: Any) -> int:
+    """Attach every cached run the request's computed prefix has reached; tokens attached."""
+    pending: CachedRuns | None = request.__dict__.get(PENDING_ATTR)
+    if pending is None or not pending.runs:
+        return 0
+    manager = _single_full_attention_manager(kv_cache_manager)
+    if manager is None:
+        return 0
+    block_size = manager.block_size
+    rid = request.request_id
+    attached = 0
+    while pending.runs and pending.runs[0][0] * block_size == request.num_computed_tokens:
+        first, blocks = pending.runs.pop(0)
+        # The hole just computed is full blocks: make sure it is cached (hashed) before the
+        # attached blocks, so vLLM's "blocks before num_cached_block are cached" stays true.
+        kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        req_blocks = manager.req_to_blocks[rid]
+        if len(req_blocks) != request.num_computed_tokens // block_size:
+            # Blocks allocated past the computed prefix (not a layout this module creates):
+            # give the remaining runs up and let vLLM compute them, rather than guess.
+            logger.warning("request %s: %d blocks for %d computed tokens; cached runs after "
+                           "token %d are recomputed", rid, len(req_blocks),
+                           request.num_computed_tokens, request.num_computed_tokens)
+            pending.runs.insert(0, (first, blocks))
+            _unpin_runs(kv_cache_manager, pending)
+            break
+        req_blocks.extend(blocks)
+        manager.num_cached_block[rid] = len(req_blocks)
+        pending.to_deliver.extend(blocks)
+        tokens = len(blocks) * block_size
+        request.num_computed_tokens += tokens
+        attached += tokens
+    if attached:
+        pending.attached_tokens += attached
+        stats = getattr(request, "prefill_stats", None)
+        if stats is not None and request.num_preemptions <= 0:
+            stats.num_cached_tokens += attached
+            stats.num_local_cached_tokens += attached
+            stats.num_computed_tokens -= attached
+    return attached
+
+
+# -- vLLM wrappers ----------------------------------------------------------------------------
+
+
+def _wrap_get_computed_blocks(stock: Any) -> Any:
+    @functools.wraps(stock)
+    def get_computed_blocks(self: Any, request: Any) -> Any:
+        _release(self, request)  # a re-lookup (admission retried) starts from scratch
+        blocks, num_hit, boundary = stock(self, request)
+        if (spans_opted_in(getattr(request, "sampling_params", None))
+                and self.prefix_cache_lookup_enabled(request)):
+            runs = find_cached_runs(self, request, num_hit)
+            if runs:
+                self.block_pool.touch([b for _, run in runs for b in run])
+                request.__dict__[PENDING_ATTR] = CachedRuns(runs=runs)
+        return blocks, num_hit, boundary
+
+    return get_computed_blocks
+
+
+def _wrap_allocate_slots(stock: Any) -> Any:
+    @functools.wraps(stock)
+    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        new_blocks = stock(self, request, *args, **kwargs)
+        pending: CachedRuns | None = request.__dict__.get(PENDING_ATTR)
+        if new_blocks is None or pending is None or not pending.to_deliver:
+            return new_blocks
+        # The worker appends a running request's new block ids to its table: the attached
+        # blocks come first (they precede the chunk's freshly allocated ones).
+        groups = new_blocks.blocks
+        merged = (pending.to_deliver + list(groups[0]), *groups[1:])
+        pending.to_deliver = []
+        return self.create_kv_cache_blocks(merged)
+
+    return allocate_slots
+
+
+def _wrap_free(stock: Any) -> Any:
+    @functools.wraps(stock)
+    def free(self: Any, request: Any) -> None:
+        _release(self, request)
+        stock(self, request)
+
+    return free
+
+
+def _wrap_schedule(stock: Any) -> Any:
+    @functools.wraps(stock)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for request in self.running:
+            if PENDING_ATTR in request.__dict__:
+                attach_reached_runs(self.kv_cache_manager, request)
+        return stock(self, *args, **kwargs)
+
+    return schedule
+
+
+def _wrap_reserve_prefill_lookahead(stock: Any) -> Any:
+    @functools.wraps(stock)
+    def _reserve_prefill_lookahead(self: Any, request: Any, num_computed_tokens: int,
+                                   num_new_tokens: int) -> int:
+        num_new_tokens = stock(self, request, num_computed_tokens, num_new_tokens)
+        pending: CachedRuns | None = request.__dict__.get(PENDING_ATTR)
+        if pending is None or not pending.runs or num_new_tokens <= 0:
+            return num_new_tokens
+        stop = pending.next_start(num_computed_tokens, self.block_size)
+        if stop is not None and stop < num_computed_tokens + num_new_tokens:
+            return stop - num_computed_tokens  # end this chunk where the cached run begins
+        return num_new_tokens
+
+    return _reserve_prefill_lookahead
+
+
+def install() -> None:
+    """Wrap the five vLLM methods listed in the module docstring (EngineCore; idempotent)."""
+    if _STATE["installed"]:
+        return
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    KVCacheManager.get_computed_blocks = _wrap_get_computed_blocks(
+        KVCacheManager.get_computed_blocks)
+    KVCacheManager.allocate_slots = _wrap_allocate_slots(KVCacheManager.allocate_slots)
+    KVCacheManager.free = _wrap_free(KVCacheManager.free)
+    Scheduler.schedule = _wrap_schedule(Scheduler.schedule)
+    Scheduler._reserve_prefill_lookahead = _wrap_reserve_prefill_lookahead(
+        Scheduler._reserve_prefill_lookahead)
+    _STATE["installed"] = True
