@@ -165,12 +165,12 @@ def _paged_attention_rope_kernel(
     else:
         kv_end = seq_len
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    first_tile = 0
+    # Span isolation: query row r sees keys key_start[r] ..; tiles before every row's start
+    # are skipped, the rest masked per row (0 everywhere without key_start).
+    q_key_start = tl.zeros([BLOCK_M], dtype=tl.int32)
     if HAS_KEY_START:
-        # Span isolation: query row r sees keys key_start[r] ..; tiles before every row's
-        # start are skipped, the rest masked per row.
         q_key_start = tl.load(key_start_ptr + q_tok, mask=row_ok, other=0).to(tl.int32)
-        first_tile = tl.min(tl.where(row_ok, q_key_start, 2147483647), 0) // BLOCK_N
+    first_tile = tl.min(tl.where(row_ok, q_key_start, 2147483647), 0) // BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

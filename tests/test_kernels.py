@@ -607,13 +607,15 @@ for cfg in json.loads(sys.argv[1]):
         PASS_PAD=max(16, triton.next_power_of_2(max(1, cfg["head"] - cfg["rot"]))),
         IS_NEOX=cfg["neox"], QPK=cfg["qpk"], BLOCK_M=cfg["bm"], BLOCK_Q=cfg["bm"] // cfg["qpk"],
         BLOCK_N=cfg["bn"], BLOCK_SIZE=16, CAUSAL=cfg["causal"], DOT_FP32=cfg["dtype"] == "fp32",
-        num_reqs=1, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1, stride_csd=1,
+        HAS_KEY_START=cfg.get("key_start", False), num_reqs=1, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1, stride_csd=1,
     )
     int_ptrs = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
+        elif name == "key_start_ptr":
+            sig[name] = "*i64"
         elif name.endswith("_ptr"):
             sig[name] = "*i32" if name in int_ptrs else "*" + cfg["dtype"]
         else:
@@ -647,6 +649,8 @@ def test_triton_kernel_compiles_for_sm90() -> None:
     cfgs = [
         dict(dtype="bf16", head=128, rot=128, neox=True, qpk=4, bm=16, bn=32, causal=True),
         dict(dtype="fp32", head=80, rot=32, neox=False, qpk=3, bm=64, bn=32, causal=False),
+        dict(dtype="bf16", head=64, rot=64, neox=True, qpk=3, bm=64, bn=32, causal=True,
+             key_start=True),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -676,3 +680,58 @@ def test_triton_tests_in_fresh_process() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Span isolation: a per-query first visible key (key_start)
+
+
+def _span_key_starts(gen: torch.Generator, b: Batch, block_size: int) -> torch.Tensor:
+    """Per query token, a random block-aligned ``key_start <= its position`` that is constant
+    within a random segmentation of each request (what span isolation produces)."""
+    starts = []
+    qsl, lens = b.query_start_loc.tolist(), b.seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        n_blocks = -(-seq_len // block_size)
+        marks = sorted({0, *(_randint(gen, 0, n_blocks - 1) for _ in range(2))})
+        per_block = []
+        for blk in range(n_blocks):
+            lead = max(m for m in marks if m <= blk)
+            isolated = _randint(gen, 0, 1) == 1 or lead == 0
+            per_block.append(lead * block_size if isolated else 0)
+        q_len = qsl[i + 1] - qsl[i]
+        starts += [per_block[p // block_size] for p in range(seq_len - q_len, seq_len)]
+    starts += [0] * (b.query.shape[0] - len(starts))  # padding rows
+    return torch.tensor(starts, dtype=torch.int64)
+
+
+def test_key_start_paged_ref_matches_dense_ref(seed: int) -> None:
+    gen = _gen(seed)
+    b = make_batch(gen, mixed_requests(gen) + [(40, 50), (0, 90)], 4, 2, 64, 16)
+    table = _rope_table(256, 64, gen)
+    key_start = _span_key_starts(gen, b, 16)
+    assert key_start.any()
+    scale = 64 ** -0.5
+    paged = paged_attention_rope_ref(
+        b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+        table, 64, True, scale, key_start=key_start)  # fmt: skip
+    dense = dense_attention_ref(b.query, b.keys, b.values, b.query_start_loc, table, 64, True,
+                                scale, key_start=key_start)
+    assert_close(paged, dense, 1e-5, seed, "paged vs dense with key_start")
+    plain = run_ref(b, table, 64, True)
+    assert rel_err(paged, plain) > 1e-3, "key_start must change some output"
+
+
+@needs_triton
+def test_key_start_triton_matches_reference(seed: int) -> None:
+    gen = _gen(seed)
+    b = make_batch(gen, mixed_requests(gen) + [(40, 50), (0, 90)], 6, 2, 64, 16)
+    table = _rope_table(256, 32, gen)
+    key_start = _span_key_starts(gen, b, 16)
+    scale = 64 ** -0.5
+    ref = paged_attention_rope_ref(
+        b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+        table, 32, False, scale, key_start=key_start)  # fmt: skip
+    out = run_triton(b.to(DEVICE), table, 32, False,
+                     key_start=key_start.to(DEVICE)).cpu()
+    assert_close(out, ref, 1e-3, seed, "triton vs ref with key_start")
