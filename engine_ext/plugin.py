@@ -57,10 +57,11 @@ def register() -> None:
     if "rope" in features:
         # No fallback on ImportError: span hashing without position-free attention gives wrong
         # answers (tests/test_position_free.py), so a broken import must stop the engine.
-        from engine_ext import rope_attention_backend, span_isolation
+        from engine_ext import rope_attention_backend, rotated_pool, span_isolation
 
         rope_attention_backend.install(config)
         span_isolation.install(config)
+        rotated_pool.install_budget()
         installed.add("rope")
     if "ckpt" in features:
         from engine_ext import recurrent_checkpoints

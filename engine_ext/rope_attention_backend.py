@@ -86,7 +86,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -155,6 +154,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVQuantMode,
 )
 
+from engine_ext.rotated_pool import RotatedBlocks, pool_cap_entries  # noqa: E402
 from engine_ext.span_isolation import step_key_starts  # noqa: E402
 from kernels import paged_attention_rope_ref  # noqa: E402
 
@@ -328,60 +328,6 @@ class RotatedFill:
     token_pool_slots: torch.Tensor  # [K] int64 pool slot (entry * bs + offset)
 
 
-class RotatedBlocks:
-    """Where requests that read blocks off their home slot get their rotated keys.
-
-    An entry is keyed by ``(table slot, physical block)``: its keys are that block's unrotated
-    keys rotated for that slot, its values a copy of the block's. The content depends only on
-    the block's content and the slot, so an entry serves every request (and every later step)
-    that reads that block at that slot: a decode step rebuilds only the block being written
-    (one block per request) instead of rotating the whole context again. An entry dies when its
-    block is written (``invalidate``) or, when the pool is full, least recently used first.
-
-    The pool is never smaller than one step needs and grows only when a step needs more, so its
-    size is the largest off-home working set seen (each layer holds ``pool_blocks`` pages of
-    ``2 * block_size * head_size`` elements per KV head, outside vLLM's KV budget).
-    """
-
-    def __init__(self, initial: int = 64) -> None:
-        self.capacity = initial
-        self.entries: OrderedDict[tuple[int, int], int] = OrderedDict()  # LRU order
-        self.by_block: dict[int, set[int]] = {}  # physical block -> slots with an entry
-        self.free = list(range(initial - 1, -1, -1))
-
-    def invalidate(self, blocks: list[int]) -> None:
-        """These blocks were written: every rotated copy of them is stale."""
-        for block in blocks:
-            for slot in self.by_block.pop(block, ()):
-                self.free.append(self.entries.pop((slot, block)))
-
-    def _evict_or_grow(self, in_use: set[tuple[int, int]]) -> int:
-        for key in self.entries:
-            if key not in in_use:
-                entry = self.entries.pop(key)
-                slots = self.by_block[key[1]]
-                slots.discard(key[0])
-                if not slots:
-                    del self.by_block[key[1]]
-                return entry
-        grown = self.capacity * 2
-        self.free = list(range(grown - 1, self.capacity, -1))
-        entry, self.capacity = self.capacity, grown
-        return entry
-
-    def lookup(self, key: tuple[int, int], in_use: set[tuple[int, int]]) -> tuple[int, bool]:
-        """Pool entry for ``key`` and whether it must be filled in this step."""
-        in_use.add(key)
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-            return entry, False
-        entry = self.free.pop() if self.free else self._evict_or_grow(in_use)
-        self.entries[key] = entry
-        self.by_block.setdefault(key[1], set()).add(key[0])
-        return entry, True
-
-
 @dataclass
 class StepPlan:
     """What the position-free layers need per step, beyond vLLM's CPU metadata."""
@@ -392,9 +338,17 @@ class StepPlan:
     write_blocks: torch.Tensor  # [W] int64 physical block of each slot
     write_offsets: torch.Tensor  # [W] int64 offset in block
     write_positions: torch.Tensor  # [W] int64 logical positions of those rows
-    off_home: OffHomeBatch | None  # requests that need RoPE-in-attention from region [0]
+    # requests that need RoPE-in-attention from region [0], in chunks that each fit the
+    # rotated-block pool's cap (one chunk unless a step reads more than the cap)
+    off_home_chunks: list[OffHomeBatch]
     home: SubBatch | None  # with off_home: the other requests (None: every request is home)
     key_start: torch.Tensor | None = None  # [num_tokens] first visible key (None: causal)
+    release_pool: bool = False  # the pool was released (idle): layers free their pages
+
+    @property
+    def off_home(self) -> OffHomeBatch | None:
+        """The first (usually only) off-home chunk."""
+        return self.off_home_chunks[0] if self.off_home_chunks else None
 
 
 ScheduleFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -444,19 +398,49 @@ def plan_step(home: _HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.T
         off = home.requests_off_home(block_table, lens, block_size, offset)
     else:
         off = torch.ones(lens.numel(), dtype=torch.bool)
-    off_home = home_batch = None
-    if bool(off.any()) or offset is not None:
-        if bool(off.any()):
-            off_home = _off_home_batch(off.nonzero().flatten().tolist(), qsl, lens,
-                                       block_table, block_size, home, rotated,
-                                       None if path == "torch" else scheduler_metadata,
-                                       None if offset is None else offset.tolist())
+    chunks: list[OffHomeBatch] = []
+    home_batch = None
+    any_off = bool(off.any())
+    released = rotated.note_step(any_off)
+    if any_off or offset is not None:
+        if any_off:
+            chunks = _off_home_chunks(off.nonzero().flatten().tolist(), qsl, lens,
+                                      block_table, block_size, home, rotated,
+                                      None if path == "torch" else scheduler_metadata,
+                                      None if offset is None else offset.tolist())
         home_batch = _sub_batch((~off).nonzero().flatten().tolist(), qsl, lens, block_table,
                                 scheduler_metadata)
     return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
                     write_blocks=blocks, write_offsets=slots - blocks * block_size,
-                    write_positions=write_positions, off_home=off_home, home=home_batch,
-                    key_start=key_start)
+                    write_positions=write_positions, off_home_chunks=chunks, home=home_batch,
+                    key_start=key_start, release_pool=released)
+
+
+def _off_home_chunks(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
+                     block_table: torch.Tensor, block_size: int, home: _HomeSlots,
+                     rotated: RotatedBlocks, scheduler_metadata: ScheduleFn | None,
+                     slot_offset: list[int] | None) -> list[OffHomeBatch]:
+    """The off-home requests in chunks whose distinct ``(slot, block)`` pairs fit the pool's
+    cap (``engine_ext/rotated_pool.py``); one chunk when there is no cap or it all fits."""
+    if rotated.cap is None:
+        return [_off_home_batch(reqs, qsl, seq_lens, block_table, block_size, home, rotated,
+                                scheduler_metadata, slot_offset)]
+    lens = seq_lens.tolist()
+    groups: list[list[int]] = [[]]
+    seen: set[tuple[int, int]] = set()
+    for i in reqs:
+        n = -(-lens[i] // block_size)
+        shift = slot_offset[i] if slot_offset is not None else 0
+        keys = {(shift + col, int(b)) for col, b in enumerate(block_table[i, :n].tolist())}
+        if groups[-1] and len(seen | keys) > rotated.cap:
+            groups.append([])
+            seen = set()
+        groups[-1].append(i)
+        seen |= keys
+    if len(groups) > 1:
+        rotated.chunked_steps += 1
+    return [_off_home_batch(g, qsl, seq_lens, block_table, block_size, home, rotated,
+                            scheduler_metadata, slot_offset) for g in groups]
 
 
 def _isolated_rows(qsl: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -575,7 +559,13 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.position_free = has_position_free_pages(kv_cache_spec)
         self.path = attn_path()
         self.home = _HomeSlots(vllm_config.cache_config.num_gpu_blocks or 0)
-        self.rotated = RotatedBlocks()
+        # One pool entry holds a block's rotated keys and its values in every layer of the group.
+        itemsize = torch.tensor([], dtype=kv_cache_spec.dtype).element_size()
+        entry_bytes = (2 * kv_cache_spec.block_size * kv_cache_spec.head_size
+                       * kv_cache_spec.num_kv_heads * itemsize * len(layer_names))
+        longest = -(-vllm_config.model_config.max_model_len // kv_cache_spec.block_size)
+        self.rotated = RotatedBlocks(cap=pool_cap_entries(entry_bytes, longest),
+                                     entry_bytes=entry_bytes)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> MinipicCPUAttentionMetadata:
@@ -695,9 +685,13 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
                          home.query_start_loc, home.seq_lens, home.block_table,
                          home.scheduler_metadata, attn_metadata.causal, None)
             output[home.rows] = sub_out
-        if rope is not None and plan.off_home is not None:
-            self._attend_off_home(layer, query, k_unrot, v_cache, k_home, plan.off_home,
-                                  attn_metadata.causal, rope, output)
+        if plan.release_pool:
+            self._pool = None  # idle: the pool's index was reset, give the pages back
+        if rope is not None:
+            # Chunk by chunk: a later chunk may reuse pool entries an earlier one attended with.
+            for chunk in plan.off_home_chunks:
+                self._attend_off_home(layer, query, k_unrot, v_cache, k_home, chunk,
+                                      attn_metadata.causal, rope, output)
         return output
 
     def _attend(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor,
@@ -793,16 +787,16 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
                       plan: StepPlan, causal: bool, rope: torch.nn.Module,
                       output: torch.Tensor) -> torch.Tensor:
         """The pure-torch alternative: the reference kernel on regions 0/1 (plain layouts)."""
-        batch = plan.off_home
-        assert batch is not None
-        sub_out = paged_attention_rope_ref(
-            query[batch.rows], k_unrot.transpose(1, 2), v_cache.transpose(1, 2),
-            batch.global_block_table, batch.seq_lens, batch.query_start_loc,
-            rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style, self.scale,
-            causal=bool(causal),
-            key_start=None if plan.key_start is None else plan.key_start[batch.rows],
-        )
-        output[batch.rows] = sub_out
+        assert plan.off_home_chunks, "the torch path sends every request off home"
+        for batch in plan.off_home_chunks:
+            sub_out = paged_attention_rope_ref(
+                query[batch.rows], k_unrot.transpose(1, 2), v_cache.transpose(1, 2),
+                batch.global_block_table, batch.seq_lens, batch.query_start_loc,
+                rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style, self.scale,
+                causal=bool(causal),
+                key_start=None if plan.key_start is None else plan.key_start[batch.rows],
+            )
+            output[batch.rows] = sub_out
         return output
 
 

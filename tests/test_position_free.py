@@ -332,6 +332,39 @@ def test_cpu_backend_paths_match_dense_reference(path: str, dtype: torch.dtype, 
     ``auto`` must send only B (the request reading S off its home slot) through the
     RoPE-in-attention path; ``scratch`` and ``torch`` send every request through it.
     """
+    from engine_ext import rope_attention_backend as rab
+
+    rotated = rab.RotatedBlocks(initial=2)  # small: the pool must grow, keeping its contents
+    plans = _cpu_backend_scenario(path, dtype, seed, monkeypatch, rotated)
+    off_home = plans[2].off_home
+    assert off_home is not None and len(plans[2].off_home_chunks) == 1
+    assert off_home.seq_lens.tolist() == ([106] if path == "auto" else [106, 69])
+    if path != "torch":
+        # step 3 builds every block the off-home requests read; a decode step rebuilds only
+        # the blocks it writes (B's block 3, and C's block 11 when C is off home too)
+        built = [0 if p.off_home is None or p.off_home.fill is None else
+                 p.off_home.fill.home_entries.numel() + p.off_home.fill.entries.numel()
+                 for p in plans[2:]]
+        assert built[0] >= 4 and built[1:] == ([1, 1] if path == "auto" else [2, 2]), built
+        assert plans[-1].off_home.pool_blocks >= (4 if path == "auto" else 7)
+
+
+@pytest.mark.fast
+def test_rotated_pool_cap_chunks_the_step_and_stays_exact(seed: int, monkeypatch) -> None:
+    """A pool capped below one step's working set (B reads 4 blocks, C 3, all off home with
+    ``scratch``): the step is split in chunks, the pool never exceeds its cap, and every step
+    still equals the dense reference."""
+    from engine_ext import rope_attention_backend as rab
+
+    rotated = rab.RotatedBlocks(initial=2, cap=4)
+    plans = _cpu_backend_scenario("scratch", torch.float32, seed, monkeypatch, rotated)
+    assert [len(p.off_home_chunks) for p in plans[2:]] == [2, 2, 2]
+    assert rotated.peak_capacity == 4 and rotated.chunked_steps == 3
+    assert all(c.pool_blocks <= 4 for p in plans for c in p.off_home_chunks)
+
+
+def _cpu_backend_scenario(path: str, dtype: torch.dtype, seed: int, monkeypatch,
+                          rotated) -> list:
     import vllm._custom_ops as ops
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
 
@@ -347,7 +380,6 @@ def test_cpu_backend_paths_match_dense_reference(path: str, dtype: torch.dtype, 
                                   _k_scale_float=1.0, _v_scale_float=1.0)
     kv_cache = torch.zeros(16, KV_HEADS, BLOCK, rab.NUM_REGIONS * HEAD, dtype=dtype)
     home = rab._HomeSlots(16)
-    rotated = rab.RotatedBlocks(initial=2)  # small: the pool must grow, keeping its contents
 
     def schedule(qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         return ops.cpu_attn_get_scheduler_metadata(seq_lens.numel(), HEADS, KV_HEADS, HEAD,
@@ -370,18 +402,7 @@ def test_cpu_backend_paths_match_dense_reference(path: str, dtype: torch.dtype, 
 
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     gen = torch.Generator().manual_seed(seed)
-    plans = _run_scenario(attend, rope, dtype, gen, tol, f"path={path}, seed={seed}")
-    off_home = plans[2].off_home
-    assert off_home is not None
-    assert off_home.seq_lens.tolist() == ([106] if path == "auto" else [106, 69])
-    if path != "torch":
-        # step 3 builds every block the off-home requests read; a decode step rebuilds only
-        # the blocks it writes (B's block 3, and C's block 11 when C is off home too)
-        built = [0 if p.off_home is None or p.off_home.fill is None else
-                 p.off_home.fill.home_entries.numel() + p.off_home.fill.entries.numel()
-                 for p in plans[2:]]
-        assert built[0] >= 4 and built[1:] == ([1, 1] if path == "auto" else [2, 2]), built
-        assert plans[-1].off_home.pool_blocks >= (4 if path == "auto" else 7)
+    return _run_scenario(attend, rope, dtype, gen, tol, f"path={path}, seed={seed}")
 
 
 @pytest.mark.fast
@@ -510,3 +531,14 @@ def test_rotated_blocks_pool_reuse_invalidation_and_growth(seed: int) -> None:
     in_use = set()
     got = [pool.lookup((s, 3000 + s), in_use)[0] for s in range(6)]
     assert len(set(got)) == 6 and pool.capacity >= 6
+    # idle: the first step that reads nothing off home after idle_release_s drops everything
+    pool.idle_release_s = 0.0
+    assert not pool.note_step(True) and pool.note_step(False)
+    assert not pool.entries and pool.capacity == pool.initial and pool.releases == 1
+    # a capped pool never grows past its cap, and refuses a chunk that needs more
+    capped = RotatedBlocks(initial=2, cap=3)
+    in_use = set()
+    assert len({capped.lookup((s, 10 + s), in_use)[0] for s in range(3)}) == 3
+    with pytest.raises(RuntimeError, match="chunk"):
+        capped.lookup((9, 99), in_use)
+    assert capped.capacity == capped.peak_capacity == 3
