@@ -244,17 +244,17 @@ def _wrap_reserve_prefill_lookahead(stock: Any) -> Any:
 
 
 def install() -> None:
-    """Wrap the five vLLM methods listed in the module docstring (EngineCore; idempotent)."""
-    if _STATE["installed"]:
-        return
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.scheduler import Scheduler
+    """Wrap the five vLLM methods listed in the module docstring (EngineCore; idempotent;
+    checked against the patch table, ``engine_ext/patches.py``)."""
+    from engine_ext import patches
 
-    KVCacheManager.get_computed_blocks = _wrap_get_computed_blocks(
-        KVCacheManager.get_computed_blocks)
-    KVCacheManager.allocate_slots = _wrap_allocate_slots(KVCacheManager.allocate_slots)
-    KVCacheManager.free = _wrap_free(KVCacheManager.free)
-    Scheduler.schedule = _wrap_schedule(Scheduler.schedule)
-    Scheduler._reserve_prefill_lookahead = _wrap_reserve_prefill_lookahead(
-        Scheduler._reserve_prefill_lookahead)
+    kvm = "vllm.v1.core.kv_cache_manager:KVCacheManager"
+    sched = "vllm.v1.core.sched.scheduler:Scheduler"
+    patches.apply("holes", {
+        f"{kvm}.get_computed_blocks": _wrap_get_computed_blocks,
+        f"{kvm}.allocate_slots": _wrap_allocate_slots,
+        f"{kvm}.free": _wrap_free,
+        f"{sched}.schedule": _wrap_schedule,
+        f"{sched}._reserve_prefill_lookahead": _wrap_reserve_prefill_lookahead,
+    })
     _STATE["installed"] = True

@@ -15,7 +15,10 @@ orchestrator, the tests) set together with the span configuration. When enabled 
   (``engine_ext/recurrent_checkpoints.py``; used in the EngineCore, settings in
   ``MINIPIC_CKPT_CONFIG``). Not on by default; hybrid engines run with it instead of ``hash``.
 
-Patching is idempotent: vLLM may call ``register()`` more than once per process.
+Every vLLM method these features wrap is listed, with the vLLM version it was checked against,
+in ``engine_ext/patches.py``; a version or signature mismatch stops start-up with an
+``EngineIntegrationError`` (no silent stock fallback). Patching is idempotent: vLLM may call
+``register()`` more than once per process.
 """
 
 from __future__ import annotations
@@ -41,13 +44,19 @@ def register() -> None:
         return
     config = SpanConfig.from_env()
     assert config is not None
+    from engine_ext import patches
+
+    if "holes" in features and not {"hash", "rope"} <= features:
+        raise patches.EngineIntegrationError(
+            "minipic feature 'holes' needs 'hash' and 'rope' (hits after a miss are only sound "
+            f"with span isolation in attention); features were {sorted(features)}")
     installed: set[str] = set()
     if "hash" in features:
         from engine_ext import span_hashing
 
         span_hashing.install(config)
         installed.add("hash")
-        if "holes" in features and "rope" in features:
+        if "holes" in features:
             # Hits past a miss are only sound when the worker isolates spans (hole_lookup's
             # docstring), which comes with the position-free backend.
             from engine_ext import hole_lookup
@@ -68,6 +77,8 @@ def register() -> None:
 
         recurrent_checkpoints.install()
         installed.add("ckpt")
+    for feature in installed:  # every table row of an installed feature is in place
+        patches.verify_installed(feature)
     _STATE.update(installed=frozenset(installed), config=config)
     logger.warning(
         "minipic plugin active in pid %d: features=%s block_size=%d ssep_id=%d pdep_id=%d "

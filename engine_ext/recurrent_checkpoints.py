@@ -366,30 +366,23 @@ def _minipic_ckpt_configure(self: Any, config_json: str | None = None) -> dict[s
 def install() -> None:
     """Patch vLLM's classes (idempotent). Safe in every process: the scheduler hooks only act in
     the EngineCore, the validation hook only in the front-end."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
     from vllm.v1.engine.core import EngineCore
 
-    if getattr(Scheduler._mamba_block_aligned_split, "_minipic", False):
-        return
-    patches = [
-        (Scheduler, "__init__", _wrap_scheduler_init),
-        (Scheduler, "_mamba_block_aligned_split", _wrap_split),
-        (KVCacheManager, "get_computed_blocks", _wrap_get_computed_blocks),
-        (MambaManager, "cache_blocks", _wrap_mamba_cache_blocks),
-        (MambaManager, "_cache_partial_tail_block", _wrap_partial_tail),
-    ]
-    try:
-        from vllm.v1.engine.input_processor import InputProcessor
+    from engine_ext import patches
 
-        patches.append((InputProcessor, "_validate_params", _wrap_validate_params))
-    except ImportError:  # pragma: no cover - other vLLM layouts: engine-side check only
-        pass
-    for cls, name, wrap in patches:
-        patched = wrap(getattr(cls, name))
-        patched._minipic = True  # type: ignore[attr-defined]
-        setattr(cls, name, patched)
+    sched = "vllm.v1.core.sched.scheduler:Scheduler"
+    mamba = "vllm.v1.core.single_type_kv_cache_manager:MambaManager"
+    patches.apply("ckpt", {
+        f"{sched}.__init__": _wrap_scheduler_init,
+        f"{sched}._mamba_block_aligned_split": _wrap_split,
+        "vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks":
+            _wrap_get_computed_blocks,
+        f"{mamba}.cache_blocks": _wrap_mamba_cache_blocks,
+        f"{mamba}._cache_partial_tail_block": _wrap_partial_tail,
+        "vllm.v1.engine.input_processor:InputProcessor._validate_params":
+            _wrap_validate_params,
+    })
+    # Utility methods the front-end calls by name (EngineCore utilities: an extension point).
     EngineCore.minipic_ckpt_stats = _minipic_ckpt_stats  # type: ignore[attr-defined]
     EngineCore.minipic_ckpt_configure = _minipic_ckpt_configure  # type: ignore[attr-defined]
 

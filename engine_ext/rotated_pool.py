@@ -151,19 +151,20 @@ def install_budget() -> None:
         return
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    stock = CPUWorker.determine_available_memory
-    if getattr(stock, "_minipic", False):
-        return
+    from engine_ext import patches
 
-    @functools.wraps(stock)
-    def determine_available_memory(self: Any) -> int:
-        total = stock(self)
-        pool = int(total * pool_share())
-        _BUDGET["pool_bytes"] = pool
-        return total - pool
+    def factory(stock: Any) -> Any:
+        @functools.wraps(stock)
+        def determine_available_memory(self: Any) -> int:
+            total = stock(self)
+            pool = int(total * pool_share())
+            _BUDGET["pool_bytes"] = pool
+            return total - pool
 
-    determine_available_memory._minipic = True  # type: ignore[attr-defined]
-    CPUWorker.determine_available_memory = determine_available_memory
+        return determine_available_memory
+
+    patches.apply("rope", {
+        "vllm.v1.worker.cpu_worker:CPUWorker.determine_available_memory": factory})
     # Reachable as ``collective_rpc(STATS_RPC)`` from the engine's front-end process.
     setattr(CPUWorker, STATS_RPC, rotated_pool_stats)
 

@@ -144,23 +144,21 @@ def install(config: SpanConfig) -> None:
     ``vllm.v1.engine.core`` imported ``get_request_block_hasher`` by value, so patching only
     ``kv_cache_utils`` would silently do nothing for the engine.
     """
-    from vllm.v1.core import kv_cache_utils as kcu
-    from vllm.v1.engine import core as engine_core
+    from engine_ext import patches
 
-    if getattr(kcu.get_request_block_hasher, "_minipic", False):
-        return
-    stock = kcu.get_request_block_hasher
+    def factory(stock: Any) -> Any:
+        def get_request_block_hasher(hash_block_size: int,
+                                     caching_hash_fn: Callable[[Any], bytes]):
+            vllm_config = _caller_vllm_config()
+            if vllm_config is not None:
+                check_supported(vllm_config, config)
+            return make_span_block_hasher(hash_block_size, caching_hash_fn, config)
 
-    def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[Any], bytes]):
-        vllm_config = _caller_vllm_config()
-        if vllm_config is not None:
-            check_supported(vllm_config, config)
-        return make_span_block_hasher(hash_block_size, caching_hash_fn, config)
+        get_request_block_hasher._minipic = True  # type: ignore[attr-defined]
+        get_request_block_hasher._stock = stock  # type: ignore[attr-defined]
+        return get_request_block_hasher
 
-    get_request_block_hasher._minipic = True  # type: ignore[attr-defined]
-    get_request_block_hasher._stock = stock  # type: ignore[attr-defined]
-    kcu.get_request_block_hasher = get_request_block_hasher
-    engine_core.get_request_block_hasher = get_request_block_hasher
+    patches.apply("hash", {p.target: factory for p in patches.points("hash")})
 
 
 def check_supported(vllm_config: Any, config: SpanConfig) -> None:

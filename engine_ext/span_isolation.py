@@ -25,29 +25,30 @@ import torch
 from engine_ext.span_segments import block_key_starts
 from minipic.span_config import SpanConfig, spans_opted_in
 
+TARGET = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata"
 _STEP = threading.local()
 _STATE: dict[str, Any] = {"installed": False, "config": None}
 
 
 def install(config: SpanConfig) -> None:
     """Wrap the runner's metadata build (worker; idempotent)."""
+    from engine_ext import patches
+
     _STATE["config"] = config
-    if _STATE["installed"]:
-        return
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    stock = GPUModelRunner._build_attention_metadata
+    def factory(stock: Any) -> Any:
+        @functools.wraps(stock)
+        def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+            previous = getattr(_STEP, "runner", None)
+            _STEP.runner = self
+            try:
+                return stock(self, *args, **kwargs)
+            finally:
+                _STEP.runner = previous
 
-    @functools.wraps(stock)
-    def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
-        previous = getattr(_STEP, "runner", None)
-        _STEP.runner = self
-        try:
-            return stock(self, *args, **kwargs)
-        finally:
-            _STEP.runner = previous
+        return _build_attention_metadata
 
-    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    patches.apply("rope", {TARGET: factory})
     _STATE["installed"] = True
 
 

@@ -28,7 +28,6 @@ include plugin code; minipic runs with ``enforce_eager=True`` by default (see en
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 from typing import Any
@@ -141,14 +140,17 @@ def install() -> None:
     """
     if _STATE["installed"]:
         return
-    base_loader = importlib.import_module("vllm.model_executor.model_loader.base_loader")
-    original = base_loader.initialize_model
+    from engine_ext import patches
 
-    def initialize_model(*args: Any, **kwargs: Any) -> torch.nn.Module:
-        model = original(*args, **kwargs)
-        convert_model(model)
-        return model
+    def factory(original: Any) -> Any:
+        def initialize_model(*args: Any, **kwargs: Any) -> torch.nn.Module:
+            model = original(*args, **kwargs)
+            convert_model(model)
+            return model
 
-    initialize_model.__wrapped__ = original  # type: ignore[attr-defined]
-    base_loader.initialize_model = initialize_model
+        initialize_model.__wrapped__ = original  # type: ignore[attr-defined]
+        return initialize_model
+
+    patches.apply("rope", {
+        "vllm.model_executor.model_loader.base_loader:initialize_model": factory})
     _STATE["installed"] = True

@@ -1,0 +1,98 @@
+"""The plugin refuses an incompatible vLLM loudly, in a fresh process (engine_ext/patches.py).
+
+A vLLM upgrade that moves or changes a method minipic wraps must stop the engine at start-up
+with a message naming the feature, the target and both versions — never run with part of the
+plugin silently off (span hashing without span isolation gives wrong answers). Each case runs
+in its own interpreter, because patches are process-wide.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine_ext.patches import PATCH_POINTS, VLLM_CHECKED, table
+from minipic.span_config import SpanConfig
+
+pytestmark = pytest.mark.fast
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = SpanConfig(block_size=32, ssep_id=5, pdep_id=11, pad_id=16)
+
+# A vLLM "upgrade": the scheduler's chunk clip gets another signature.
+BREAK_SIGNATURE = """
+import vllm.v1.core.sched.scheduler as s
+def _reserve_prefill_lookahead(self, request, num_new_tokens):
+    return num_new_tokens
+s.Scheduler._reserve_prefill_lookahead = _reserve_prefill_lookahead
+"""
+BREAK_VERSION = "import vllm\nvllm.__version__ = '0.99.0'\n"
+
+
+def _run(prelude: str, body: str, env_extra: dict[str, str], tmp_path: Path,
+         timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``body`` in a fresh interpreter whose every process first runs ``prelude``
+    (a ``sitecustomize`` on PYTHONPATH, so spawned engine processes get it too)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(prelude)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MINIPIC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(body)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+LOAD = """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+print("LOADED")
+"""
+
+
+def test_changed_signature_stops_plugin_load(tmp_path: Path) -> None:
+    proc = _run(BREAK_SIGNATURE, LOAD, CONFIG.to_env(), tmp_path)
+    assert proc.returncode != 0 and "LOADED" not in proc.stdout
+    err = proc.stderr
+    assert "EngineIntegrationError" in err and "'holes'" in err, err[-3000:]
+    assert "Scheduler._reserve_prefill_lookahead" in err and "num_computed_tokens" in err
+
+
+def test_other_vllm_version_stops_plugin_load_unless_allowed(tmp_path: Path) -> None:
+    proc = _run(BREAK_VERSION, LOAD, CONFIG.to_env(), tmp_path)
+    assert proc.returncode != 0 and "LOADED" not in proc.stdout
+    assert "vLLM 0.99.0 is installed" in proc.stderr and VLLM_CHECKED in proc.stderr
+    allowed = _run(BREAK_VERSION, LOAD,
+                   {**CONFIG.to_env(), "MINIPIC_ALLOW_VLLM_VERSION": "0.99.0"}, tmp_path)
+    assert allowed.returncode == 0 and "LOADED" in allowed.stdout, allowed.stderr[-3000:]
+    # plugin off: an incompatible vLLM is none of minipic's business
+    off = _run(BREAK_VERSION, LOAD, {}, tmp_path)
+    assert off.returncode == 0 and "LOADED" in off.stdout, off.stderr[-3000:]
+
+
+def test_engine_refuses_to_start_on_incompatible_vllm(tmp_path: Path) -> None:
+    """A real engine start (tiny model): it fails with the table's message, it does not run."""
+    body = """
+    from minipic.engine_config import EngineSettings, build_llm
+
+    if __name__ == "__main__":
+        llm = build_llm(EngineSettings(model="tiny-llama", max_model_len=512))
+        print("STARTED")
+    """
+    proc = _run(BREAK_SIGNATURE, body, {"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path, timeout=600)
+    assert proc.returncode != 0 and "STARTED" not in proc.stdout
+    assert "EngineIntegrationError" in proc.stderr, proc.stderr[-3000:]
+    assert "Scheduler._reserve_prefill_lookahead" in proc.stderr
+
+
+def test_table_covers_every_wrapped_target() -> None:
+    rows = table()
+    assert len(rows) == len(PATCH_POINTS) and all(r["checked_against"] == VLLM_CHECKED
+                                                  for r in rows)
+    assert {r["feature"] for r in rows} == {"hash", "holes", "rope", "ckpt"}
+    assert all(r["why"] for r in rows)
