@@ -34,43 +34,20 @@ every request and every later step that reads that block there; it is dropped wh
 written, so a decode step rebuilds one block per request. Nothing shared is ever rewritten in the
 KV cache, and one physical block serves any number of requests at any offsets in the same batch.
 Which physical block sits at which home slot, and the pool's entries, are tracked per KV-cache
-group by the metadata builder (``_HomeSlots``, ``RotatedBlocks``), once per step.
+group by the metadata builder (``step_plan.HomeSlots``, ``rotated_pool.RotatedBlocks``), once per step.
 
-**Why this design.** Measured on the 2-core development machine (shared; 1 thread, fp32,
-SmolLM2-135M attention shapes: 9 query / 3 KV heads, D=64, block 32), one layer's write + attention
-in ms, min over 5-15 runs, every block read at its home slot (PIC off)::
+**Paths.** ``MINIPIC_CPU_ATTN=auto`` (default): requests at home run vLLM's C++ kernel on region
+[2]; only off-home requests go through the pool. ``scratch`` sends every request through the pool,
+``torch`` through the pure-torch reference (``kernels.paged_attention_rope_ref``). Why ``auto``
+(measured per-layer and whole-engine costs of each path): ``results/cpu_backend.md`` and README.
 
-    case                              stock C++   auto   scratch   torch
-    decode 8 x 512 ctx                   0.20     0.28     9.85     6.63
-    decode 32 x 256 ctx                  0.45     0.54    36.5     13.5
-    prefill 1 x 512                      4.02     4.51     9.73    16.5
-    2 prefills x 256 + 6 decode x 512    2.27     2.69     9.65    12.3
+**Span isolation** (``engine_ext/span_isolation.py``): queries whose ``key_start`` is not 0 are
+split into kernel rows whose tables start at their segment's first block (``step_plan``).
 
-``torch`` is the pure-torch backend (``kernels.paged_attention_rope_ref`` per request, keys rotated
-on every read); ``scratch`` (as first built, before the pool) rotated every request's keys into a
-fresh scratch cache per step and called vLLM's C++ kernel; ``auto`` is this module's default (C++
-kernel on region [2], the off-home path only for off-home requests). With the pool,
-``MINIPIC_CPU_ATTN=scratch`` sends every request through the pool. Both rotate-on-every-read options
-cost 3-80x the stock kernel, and a SmolLM2 step runs 30 layers, so they would multiply decode time;
-``auto`` adds 0.1-0.5 ms per layer (the extra writes and one rotary call). Whole engine, SmolLM2
-fp32, PIC off, minipic / stock wall time (``benchmarks/pic_overhead.py``, worker pinned to the
-quieter core; an A/A run of two stock engines gave 1.00 / 1.01)::
-
-    path      prefill 2 x 384   decode 8 x 64 + 64 tokens   JSON in results/
-    auto          1.00              0.97 (rounds 0.92, 1.02)    pic_overhead.json
-    scratch       1.09              1.27                        pic_overhead_alternatives.json
-    torch         1.18              1.7 - 2.9                   pic_overhead_alternatives.json
-
-(Contexts there are short; the per-layer table shows the gap growing with context length.)
-
-Off-home reads (spans reused at new offsets, the PIC case), one layer, decode of 8 requests x 544
-keys whose 512-token span sits one block off its home, median ms per step: rebuilding a rotated
-scratch of every request's context each step (this module's first design) 17.2; the pool 1.1 in
-the layer (0.17 of it the kernel) + 0.6 per step for the plan, shared by all layers. The pool is
-as large as the biggest off-home working set of a step so far (it grows, never shrinks; ~49 KB per
-entry and layer for SmolLM2 fp32), memory outside vLLM's KV budget, bounded by the running
-requests' contexts (max_num_seqs x max_model_len / block_size entries).
-``MINIPIC_CPU_ATTN=scratch|torch`` forces one of the alternatives for every request.
+Invariants: nothing shared is ever rewritten in regions [0]-[2] after its block is written; a
+block's region [2] is rotated at the one slot it was written at; a pool entry holds exactly
+"block rotated for slot" and is dropped when the block is written; every layer of a KV-cache group
+sees the same step plan, built once per step by the metadata builder.
 
 **Processes.** ``install()`` runs from the plugin in every vLLM process; it only registers class
 paths (``CPU_ATTN`` -> this module, ``CUSTOM`` -> ``engine_ext.cuda_backend``) and wraps the model
@@ -86,7 +63,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -156,6 +132,12 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from engine_ext.rotated_pool import RotatedBlocks, pool_cap_entries  # noqa: E402
 from engine_ext.span_isolation import step_key_starts  # noqa: E402
+from engine_ext.step_plan import (  # noqa: E402
+    HomeSlots,
+    OffHomeBatch,
+    StepPlan,
+    plan_step,
+)
 from kernels import paged_attention_rope_ref  # noqa: E402
 
 
@@ -223,331 +205,8 @@ class MinipicCPUAttentionBackend(CPUAttentionBackend):
 
 
 @dataclass
-class SubBatch:
-    """Some of the step's requests, re-indexed for one call of the C++ kernel."""
-
-    rows: torch.Tensor  # [T] int64: query rows of these requests in the step's batch
-    query_start_loc: torch.Tensor  # [S + 1] int32, local
-    seq_lens: torch.Tensor  # [S] int32
-    block_table: torch.Tensor  # [S, max_blocks] int32 (physical, or into the rotated pool)
-    scheduler_metadata: torch.Tensor | None  # C++ kernel work split for this sub-batch
-
-
-@dataclass
-class OffHomeBatch(SubBatch):
-    """The requests of one step that read some block away from its home slot.
-
-    ``block_table`` indexes the rotated-block pool (``RotatedBlocks``), which holds each
-    (table slot, physical block) pair these requests read, keys rotated for that slot.
-    """
-
-    fill: RotatedFill | None  # pool entries to (re)build in this step, after the writes
-    pool_blocks: int  # pool size every layer must have
-    global_block_table: torch.Tensor  # [S, max_blocks] int32, physical (torch path)
-
-
-@dataclass
 class MinipicCPUAttentionMetadata(CPUAttentionMetadata):
     plan: StepPlan | None = None  # None: layers of this group are not position-free
-
-
-class _HomeSlots:
-    """Block-table slot at which each physical block's region [2] was rotated (-1: never).
-
-    One instance per KV-cache group: all layers of a group share block ids, and every layer
-    writes the same tokens in the same step, so one table describes region [2] of all of them.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        self.slot = torch.full((max(num_blocks, 1),), -1, dtype=torch.int32)
-
-    def _ensure(self, max_block: int) -> None:
-        if max_block >= self.slot.numel():
-            grown = torch.full((max(max_block + 1, 2 * self.slot.numel()),), -1,
-                               dtype=torch.int32)
-            grown[: self.slot.numel()] = self.slot
-            self.slot = grown
-
-    def record_writes(self, blocks: torch.Tensor, positions: torch.Tensor,
-                      block_size: int) -> None:
-        """A token at logical ``pos`` written into ``block`` puts it at table slot ``pos // bs``.
-
-        All tokens of a block are written by one request at one table slot (only full blocks
-        are shared), so the last write of a step describes the whole block.
-        """
-        if blocks.numel() == 0:
-            return
-        self._ensure(int(blocks.max()))
-        self.slot[blocks] = torch.div(positions, block_size, rounding_mode="floor").to(
-            torch.int32
-        )
-
-    def slots_of(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Home slot of each of ``blocks`` (-1: never written)."""
-        if blocks.numel():
-            self._ensure(int(blocks.max()))
-        return self.slot[blocks]
-
-    def requests_off_home(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                          block_size: int, slot_offset: torch.Tensor | None = None
-                          ) -> torch.Tensor:
-        """Bool ``[num_reqs]``: request reads at least one block away from its home slot.
-
-        ``slot_offset[i]``: the table slot that column 0 of row ``i`` stands for (a row of an
-        isolated segment starts at its SSEP block; None: every row starts at slot 0).
-        """
-        num_blocks = torch.div(seq_lens + block_size - 1, block_size, rounding_mode="floor")
-        width = int(num_blocks.max()) if num_blocks.numel() else 0
-        if width == 0:
-            return torch.zeros(seq_lens.shape, dtype=torch.bool)
-        table = block_table[:, :width].long()
-        self._ensure(int(table.max()))
-        col = torch.arange(width, dtype=torch.int32).unsqueeze(0)
-        if slot_offset is not None:
-            col = col + slot_offset.to(torch.int32).unsqueeze(1)
-        at_home = self.slot[table] == col
-        used = torch.arange(width).unsqueeze(0) < num_blocks.unsqueeze(1)
-        return (used & ~at_home).any(dim=1)
-
-
-@dataclass
-class RotatedFill:
-    """Pool entries a step (re)builds: ``pool[entry] = block`` rotated for table slot ``slot``.
-
-    Entries whose block sits at its home slot are copied from region [2] (already rotated
-    there); the others are rotated from region [0], only their ``valid`` written tokens.
-    """
-
-    home_entries: torch.Tensor  # [H] int64 pool entries copied from region [2]
-    home_blocks: torch.Tensor  # [H] int64 their physical blocks
-    entries: torch.Tensor  # [F] int64 pool entries rotated from region [0]
-    blocks: torch.Tensor  # [F] int64 their physical blocks
-    token_blocks: torch.Tensor  # [K] int64 physical block of each key to rotate
-    token_offsets: torch.Tensor  # [K] int64 offset in block
-    token_positions: torch.Tensor  # [K] int64 logical position (slot * bs + offset)
-    token_pool_slots: torch.Tensor  # [K] int64 pool slot (entry * bs + offset)
-
-
-@dataclass
-class StepPlan:
-    """What the position-free layers need per step, beyond vLLM's CPU metadata."""
-
-    positions: torch.Tensor  # [num_tokens] int64 logical positions of the new tokens
-    write_rows: torch.Tensor | None  # rows that have a cache slot (None: all rows)
-    write_slots: torch.Tensor  # [W] int64 cache slots of those rows
-    write_blocks: torch.Tensor  # [W] int64 physical block of each slot
-    write_offsets: torch.Tensor  # [W] int64 offset in block
-    write_positions: torch.Tensor  # [W] int64 logical positions of those rows
-    # requests that need RoPE-in-attention from region [0], in chunks that each fit the
-    # rotated-block pool's cap (one chunk unless a step reads more than the cap)
-    off_home_chunks: list[OffHomeBatch]
-    home: SubBatch | None  # with off_home: the other requests (None: every request is home)
-    key_start: torch.Tensor | None = None  # [num_tokens] first visible key (None: causal)
-    release_pool: bool = False  # the pool was released (idle): layers free their pages
-
-    @property
-    def off_home(self) -> OffHomeBatch | None:
-        """The first (usually only) off-home chunk."""
-        return self.off_home_chunks[0] if self.off_home_chunks else None
-
-
-ScheduleFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def plan_step(home: _HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-              block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-              path: str, scheduler_metadata: ScheduleFn | None,
-              rotated: RotatedBlocks | None = None,
-              key_start: torch.Tensor | None = None) -> StepPlan:
-    """Positions, home-slot bookkeeping and the off-home sub-batch of one step.
-
-    ``query_start_loc`` / ``seq_lens`` / ``block_table`` cover exactly the step's requests and
-    ``slot_mapping`` its tokens. ``scheduler_metadata(qsl, seq_lens)`` builds the C++ kernel's
-    work split for a sub-batch (None for the pure-torch path). ``rotated`` is the group's
-    rotated-block pool (kept across steps; a fresh one when None). ``key_start[t]`` is the first
-    key token ``t`` may attend to (span isolation, ``engine_ext/span_isolation.py``; None: all
-    causal): the C++ kernel has no such mask, so each run of a request's queries with one
-    ``key_start`` becomes its own kernel row whose table starts at that key's block
-    (:func:`_isolated_rows`); RoPE is relative and keys are rotated by their true slot, so
-    the shifted row computes exactly the masked attention.
-    """
-    num_reqs = seq_lens.numel()
-    num_tokens = slot_mapping.numel()
-    qsl = query_start_loc.long()
-    lens = seq_lens.long()
-    q_lens = qsl[1:] - qsl[:-1]
-    # Logical position of each new token: seq_len - query_len + t (DESIGN.md section 1).
-    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens,
-                                           output_size=num_tokens)
-    positions = (lens - q_lens - qsl[:-1])[req_of_token] + torch.arange(num_tokens)
-    slots = slot_mapping.long()
-    write_rows, write_positions = None, positions
-    if bool((slots < 0).any()):  # tokens without a cache slot are not stored
-        write_rows = (slots >= 0).nonzero().flatten()
-        slots, write_positions = slots[write_rows], positions[write_rows]
-    blocks = torch.div(slots, block_size, rounding_mode="floor")
-    home.record_writes(blocks, write_positions, block_size)
-    rotated = rotated if rotated is not None else RotatedBlocks()
-    if rotated.by_block:  # an empty pool has nothing to invalidate (every PIC-off step)
-        rotated.invalidate(blocks.unique().tolist())
-    offset = None
-    if key_start is not None and path != "torch":
-        qsl, lens, block_table, offset = _isolated_rows(qsl, lens, block_table, positions,
-                                                        key_start, block_size)
-    if path == "auto":
-        off = home.requests_off_home(block_table, lens, block_size, offset)
-    else:
-        off = torch.ones(lens.numel(), dtype=torch.bool)
-    chunks: list[OffHomeBatch] = []
-    home_batch = None
-    any_off = bool(off.any())
-    released = rotated.note_step(any_off)
-    if any_off or offset is not None:
-        if any_off:
-            chunks = _off_home_chunks(off.nonzero().flatten().tolist(), qsl, lens,
-                                      block_table, block_size, home, rotated,
-                                      None if path == "torch" else scheduler_metadata,
-                                      None if offset is None else offset.tolist())
-        home_batch = _sub_batch((~off).nonzero().flatten().tolist(), qsl, lens, block_table,
-                                scheduler_metadata)
-    return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
-                    write_blocks=blocks, write_offsets=slots - blocks * block_size,
-                    write_positions=write_positions, off_home_chunks=chunks, home=home_batch,
-                    key_start=key_start, release_pool=released)
-
-
-def _off_home_chunks(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
-                     block_table: torch.Tensor, block_size: int, home: _HomeSlots,
-                     rotated: RotatedBlocks, scheduler_metadata: ScheduleFn | None,
-                     slot_offset: list[int] | None) -> list[OffHomeBatch]:
-    """The off-home requests in chunks whose distinct ``(slot, block)`` pairs fit the pool's
-    cap (``engine_ext/rotated_pool.py``); one chunk when there is no cap or it all fits."""
-    if rotated.cap is None:
-        return [_off_home_batch(reqs, qsl, seq_lens, block_table, block_size, home, rotated,
-                                scheduler_metadata, slot_offset)]
-    lens = seq_lens.tolist()
-    groups: list[list[int]] = [[]]
-    seen: set[tuple[int, int]] = set()
-    for i in reqs:
-        n = -(-lens[i] // block_size)
-        shift = slot_offset[i] if slot_offset is not None else 0
-        keys = {(shift + col, int(b)) for col, b in enumerate(block_table[i, :n].tolist())}
-        if groups[-1] and len(seen | keys) > rotated.cap:
-            groups.append([])
-            seen = set()
-        groups[-1].append(i)
-        seen |= keys
-    if len(groups) > 1:
-        rotated.chunked_steps += 1
-    return [_off_home_batch(g, qsl, seq_lens, block_table, block_size, home, rotated,
-                            scheduler_metadata, slot_offset) for g in groups]
-
-
-def _isolated_rows(qsl: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                   positions: torch.Tensor, key_start: torch.Tensor, block_size: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kernel rows for a step with isolated segments: one per run of a request's queries that
-    share a ``key_start``, in token order (so query rows need no permutation).
-
-    Row ``k`` covers keys ``key_start .. last query of the run``: its table is the request's
-    table from block ``key_start // block_size`` on, its length counts from ``key_start``, and
-    ``offset[k]`` says which table slot its column 0 is (home slots and rotated-pool entries
-    stay keyed by the true slot). Returns ``(qsl, seq_lens, block_table, offset)``.
-    """
-    num_tokens = positions.numel()
-    q_lens = qsl[1:] - qsl[:-1]
-    req_of_token = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens,
-                                           output_size=num_tokens)
-    first = torch.ones(num_tokens, dtype=torch.bool)
-    first[1:] = (req_of_token[1:] != req_of_token[:-1]) | (key_start[1:] != key_start[:-1])
-    starts = first.nonzero().flatten()
-    row_qsl = torch.cat([starts, torch.tensor([num_tokens])])
-    row_req = req_of_token[starts]
-    row_key_start = key_start[starts]
-    row_lens = positions[row_qsl[1:] - 1] + 1 - row_key_start
-    offset = torch.div(row_key_start, block_size, rounding_mode="floor")
-    width = int(torch.div(row_lens + block_size - 1, block_size, rounding_mode="floor").max())
-    cols = (offset.unsqueeze(1) + torch.arange(width)).clamp(max=block_table.shape[1] - 1)
-    table = torch.gather(block_table[row_req].long(), 1, cols).to(block_table.dtype)
-    return row_qsl, row_lens, table, offset
-
-
-def _sub_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
-               block_table: torch.Tensor, scheduler_metadata: ScheduleFn | None) -> SubBatch:
-    """Requests ``reqs`` of the step with their own rows, lengths and (physical) tables."""
-    starts, ends = qsl[:-1].tolist(), qsl[1:].tolist()
-    rows = [torch.arange(starts[i], ends[i]) for i in reqs]
-    local_qsl = [0]
-    for i in reqs:
-        local_qsl.append(local_qsl[-1] + ends[i] - starts[i])
-    sub_qsl = torch.tensor(local_qsl, dtype=torch.int32)
-    sub_lens = seq_lens[reqs].to(torch.int32)
-    return SubBatch(
-        rows=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
-        query_start_loc=sub_qsl, seq_lens=sub_lens, block_table=block_table[reqs],
-        scheduler_metadata=scheduler_metadata(sub_qsl, sub_lens)
-        if scheduler_metadata and reqs else None,
-    )
-
-
-def _off_home_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
-                    block_table: torch.Tensor, block_size: int, home: _HomeSlots,
-                    rotated: RotatedBlocks, scheduler_metadata: ScheduleFn | None,
-                    slot_offset: list[int] | None = None) -> OffHomeBatch:
-    """The off-home requests with a block table into the rotated pool, and what to fill.
-
-    ``slot_offset[i]``: the true table slot of column 0 of row ``i`` (isolated rows).
-    """
-    base = _sub_batch(reqs, qsl, seq_lens, block_table, scheduler_metadata)
-    lens = seq_lens.tolist()
-    width = max(-(-lens[i] // block_size) for i in reqs)
-    table = torch.zeros(len(reqs), width, dtype=torch.int32)
-    table_blocks = block_table[reqs, :width].long()
-    physical = table_blocks.tolist()
-    home_of = home.slots_of(table_blocks).tolist()  # only the blocks read
-    in_use: set[tuple[int, int]] = set()
-    home_fill: list[tuple[int, int]] = []
-    rot_fill: list[tuple[int, int, int, int]] = []  # entry, block, slot, valid tokens
-    for r, i in enumerate(reqs):
-        n = -(-lens[i] // block_size)
-        shift = slot_offset[i] if slot_offset is not None else 0
-        row = []
-        for col in range(n):
-            block, slot = physical[r][col], shift + col
-            entry, fill = rotated.lookup((slot, block), in_use)
-            row.append(entry)
-            if fill:
-                if home_of[r][col] == slot:
-                    home_fill.append((entry, block))
-                else:
-                    valid = min(block_size, lens[i] - col * block_size)
-                    rot_fill.append((entry, block, slot, valid))
-        table[r, :n] = torch.tensor(row, dtype=torch.int32)
-    return OffHomeBatch(
-        rows=base.rows, query_start_loc=base.query_start_loc, seq_lens=base.seq_lens,
-        block_table=table, scheduler_metadata=base.scheduler_metadata,
-        fill=_fill(home_fill, rot_fill, block_size) if home_fill or rot_fill else None,
-        pool_blocks=rotated.capacity, global_block_table=base.block_table,
-    )
-
-
-def _fill(home_fill: list[tuple[int, int]], rot_fill: list[tuple[int, int, int, int]],
-          block_size: int) -> RotatedFill:
-    def column(rows: list[tuple[int, ...]], k: int) -> torch.Tensor:
-        return torch.tensor([row[k] for row in rows], dtype=torch.long)
-
-    valid = column(rot_fill, 3)
-    offsets = torch.cat([torch.arange(v) for v in valid.tolist()]) if rot_fill else valid
-    token_blocks = torch.repeat_interleave(column(rot_fill, 1), valid)
-    token_slots = torch.repeat_interleave(column(rot_fill, 2), valid)
-    token_entries = torch.repeat_interleave(column(rot_fill, 0), valid)
-    return RotatedFill(
-        home_entries=column(home_fill, 0), home_blocks=column(home_fill, 1),
-        entries=column(rot_fill, 0), blocks=column(rot_fill, 1),
-        token_blocks=token_blocks, token_offsets=offsets,
-        token_positions=token_slots * block_size + offsets,
-        token_pool_slots=token_entries * block_size + offsets,
-    )
 
 
 class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -558,7 +217,7 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.position_free = has_position_free_pages(kv_cache_spec)
         self.path = attn_path()
-        self.home = _HomeSlots(vllm_config.cache_config.num_gpu_blocks or 0)
+        self.home = HomeSlots(vllm_config.cache_config.num_gpu_blocks or 0)
         # One pool entry holds a block's rotated keys and its values in every layer of the group.
         itemsize = torch.tensor([], dtype=kv_cache_spec.dtype).element_size()
         entry_bytes = (2 * kv_cache_spec.block_size * kv_cache_spec.head_size
