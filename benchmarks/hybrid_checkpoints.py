@@ -113,7 +113,7 @@ def run_trace(llm: Any, doc: list[int], trace: list[tuple[int, list[int]]],
 
 def planner_sweep(dists: dict[str, np.ndarray], g: int) -> dict[str, Any]:
     """Expected recompute per request in the document vs budget (planner only, no engine)."""
-    from engine_ext.checkpoints import expected_recompute, plan_checkpoints
+    from checkpoint_planner import expected_recompute, plan_checkpoints
 
     out: dict[str, Any] = {}
     for name, p in dists.items():
@@ -191,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+    from checkpoint_planner import expected_recompute, plan_checkpoints
     from engine_ext.checkpoint_policy import CheckpointConfig
-    from engine_ext.checkpoints import expected_recompute, plan_checkpoints
     from engine_ext.recurrent_checkpoints import checkpoint_stats, configure_checkpoints
-    from minipic.engine_config import EngineSettings, build_llm, close_llm
+    from span_contract.engine_config import EngineSettings, build_llm, close_llm
 
     t_start = time.perf_counter()
     settings = EngineSettings(

@@ -92,7 +92,7 @@ def _start(pic: bool, path: str | None, max_model_len: int) -> dict[str, Any]:
     """An engine and the pids of the processes it started (EngineCore, worker)."""
     import psutil
 
-    from minipic.engine_config import EngineSettings, build_llm
+    from span_contract.engine_config import EngineSettings, build_llm
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     previous = os.environ.get("MINIPIC_CPU_ATTN")
@@ -158,7 +158,7 @@ def _round(path: str, round_idx: int, reps: int, seed: int, max_model_len: int,
            vocab: int | None) -> tuple[dict[str, Any], int]:
     """Start both engines (stock first in even rounds, minipic first in odd ones), compare,
     close both."""
-    from minipic.engine_config import close_llm
+    from span_contract.engine_config import close_llm
 
     specs = [("stock", False, None), ("minipic", path != "stock", path)]
     if round_idx % 2:

@@ -56,8 +56,8 @@ def _measure(holes: bool, items: list[dict[str, Any]], max_model_len: int) -> di
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from minipic.engine_config import EngineSettings, build_llm, close_llm
-    from minipic.span_config import SPANS_OPT_IN_KEY
+    from span_contract.engine_config import EngineSettings, build_llm, close_llm
+    from span_contract.span_config import SPANS_OPT_IN_KEY
 
     features = ("hash", "rope", "holes") if holes else ("hash", "rope")
     llm = build_llm(EngineSettings(max_model_len=max_model_len, features=features))
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--span-tokens", type=int, default=192)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
-    from minipic.engine_config import EngineSettings
+    from span_contract.engine_config import EngineSettings
 
     settings = EngineSettings().resolved()
     from transformers import AutoConfig

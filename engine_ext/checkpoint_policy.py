@@ -4,7 +4,7 @@ vLLM's "align" prefix caching for hybrid (attention + Mamba/GDN) models can only
 from a recurrent state that was materialised at a block boundary and kept in the prefix cache.
 Keeping one at every block costs far more memory than the attention KV it sits next to (one GDN
 state is ``heads × d_k × d_v`` floats per layer, whatever the block length), so DESIGN.md §4 keeps
-only ``M`` of them per prefix, at the positions the planner (``engine_ext.checkpoints``) chooses
+only ``M`` of them per prefix, at the positions the planner (``checkpoint_planner``) chooses
 for the observed overlap-depth distribution. This module decides, for each request, *which*
 positions; ``engine_ext.recurrent_checkpoints`` makes vLLM compute and keep state exactly there.
 
@@ -29,17 +29,14 @@ and importing numba/llvmlite into a CPU *worker* breaks vLLM's Triton kernel reb
 from __future__ import annotations
 
 import bisect
-import json
 import logging
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from minipic.span_config import CKPT_CONFIG_ENV
+from span_contract.checkpoint_config import CheckpointConfig
 
 logger = logging.getLogger("minipic.ckpt")
 
@@ -48,66 +45,6 @@ OVERRIDE_KEY = "minipic_checkpoints"
 STOCK = "vllm"
 EVERY_BLOCK = "all"
 SERVER = "server"
-
-
-class CheckpointConfig(BaseModel):
-    """Server-level checkpoint settings (travels to the EngineCore as ``MINIPIC_CKPT_CONFIG``)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    budget: int = Field(4, ge=0, description="M: recurrent-state checkpoints kept per prefix")
-    method: str = Field("dp", description="planner method (engine_ext.checkpoints.METHODS)")
-    histogram: list[float] | None = Field(
-        None, description="overlap-depth probabilities or counts for depths 0..N")
-    histogram_file: str | None = Field(
-        None, description="histogram file in a `minipic plan --histogram` format")
-    learn: bool = Field(False, description="re-plan from overlap depths observed by the engine")
-    half_life: float | None = Field(
-        None, gt=0, description="learn: weight halves every half_life requests (drift)")
-    replan_every: int = Field(16, gt=0, description="learn: re-plan after this many requests")
-    keep_tail: bool = Field(
-        False,
-        description="also keep vLLM's own checkpoints (prompt tail, shared-prefix junction); "
-                    "off = state is kept at planned positions only")
-
-    @field_validator("method")
-    @classmethod
-    def _known_method(cls, value: str) -> str:
-        from engine_ext.checkpoints import METHODS
-
-        if value not in METHODS:
-            raise ValueError(f"unknown planner method {value!r}; choose one of {METHODS}")
-        return value
-
-    @model_validator(mode="after")
-    def _one_histogram(self) -> CheckpointConfig:
-        if self.histogram is not None and self.histogram_file is not None:
-            raise ValueError("give either histogram or histogram_file, not both")
-        if self.histogram is not None:
-            from engine_ext.checkpoints import parse_histogram
-
-            parse_histogram(list(self.histogram))  # fail here, not in the engine process
-        return self
-
-    def prior(self) -> np.ndarray | None:
-        """The configured histogram as probabilities, or None (uniform prior)."""
-        from engine_ext.checkpoints import load_histogram, parse_histogram
-
-        if self.histogram is not None:
-            return parse_histogram(list(self.histogram))
-        if self.histogram_file is not None:
-            return load_histogram(self.histogram_file)
-        return None
-
-    def to_env(self) -> dict[str, str]:
-        return {CKPT_CONFIG_ENV: self.model_dump_json()}
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> CheckpointConfig:
-        """The configuration in ``MINIPIC_CKPT_CONFIG``; defaults when unset."""
-        env = os.environ if environ is None else environ
-        raw = env.get(CKPT_CONFIG_ENV)
-        return cls.model_validate(json.loads(raw)) if raw else cls()
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +109,7 @@ class CheckpointPolicy:
     """
 
     def __init__(self, config: CheckpointConfig, block_size: int, max_model_len: int) -> None:
-        from engine_ext.checkpoints import OverlapHistogram
+        from checkpoint_planner import OverlapHistogram
 
         if block_size < 1 or max_model_len < 1:
             raise ValueError(f"bad block_size {block_size} / max_model_len {max_model_len}")
@@ -193,7 +130,7 @@ class CheckpointPolicy:
         self.server_plan = self._plan(prior)
 
     def _plan(self, probs: np.ndarray) -> tuple[int, ...]:
-        from engine_ext.checkpoints import plan_checkpoints
+        from checkpoint_planner import plan_checkpoints
 
         if probs.size - 1 < self.block_size:
             logger.warning("checkpoint histogram covers depths 0..%d, shorter than one recurrent "

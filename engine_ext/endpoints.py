@@ -3,16 +3,32 @@
 ``GET /minipic/config`` states the span configuration and plugin features the server runs with,
 so a client can refuse to talk to a server whose SSEP/PDEP ids or block size differ from its own
 (a mismatch would not fail loudly: spans would just never hit, or hit wrongly).
+
+``POST /minipic/reset_prefix_cache`` empties the engine's prefix cache, for tests, benchmarks and
+an operator who needs a cold start without a restart. vLLM's own ``/reset_prefix_cache`` comes
+only with its development mode (``VLLM_SERVER_DEV_MODE=1``, which opens other routes too); this
+one is off unless the operator starts ``minipic serve --enable-cache-reset``, answers 403 with
+that hint otherwise, and asks for the server's API key when one is set (vLLM guards only
+``/v1``-style paths with it).
 """
 
 from __future__ import annotations
 
+import os
 from argparse import Namespace
 from typing import Any
 
-from minipic.span_config import SpanConfig, enabled_features
+from span_contract.span_config import SpanConfig, enabled_features
 
 CONFIG_PATH = "/minipic/config"
+RESET_PATH = "/minipic/reset_prefix_cache"
+# set to 1 by `minipic serve --enable-cache-reset` in the API server's environment
+CACHE_RESET_ENV = "MINIPIC_CACHE_RESET"
+
+
+def cache_reset_enabled(environ: dict[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return env.get(CACHE_RESET_ENV, "0").lower() in ("1", "true", "yes")
 
 
 def current_config() -> dict[str, Any]:
@@ -21,20 +37,64 @@ def current_config() -> dict[str, Any]:
         "enabled": span is not None,
         "features": sorted(enabled_features()),
         "span_config": span.model_dump() if span else None,
+        "cache_reset": cache_reset_enabled(),
     }
+
+
+def _error(status: int, message: str, kind: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                        status_code=status)
 
 
 class MinipicEndpoints:
     name = "minipic"
     required_tasks = None
 
+    def __init__(self) -> None:
+        self._api_tokens: list[str] = []
+
     def attach_router(self, app: Any) -> None:
+        from fastapi import Request
         from fastapi.responses import JSONResponse
 
         async def minipic_config() -> JSONResponse:
             return JSONResponse(current_config())
 
+        async def reset_prefix_cache(request: Request) -> JSONResponse:
+            return await self._reset(request)
+
+        # FastAPI reads these to inject the request; as strings (future annotations) they
+        # would be looked up in this module's globals, where the lazily imported names are not
+        reset_prefix_cache.__annotations__ = {"request": Request, "return": JSONResponse}
+
         app.add_api_route(CONFIG_PATH, minipic_config, methods=["GET"])
+        app.add_api_route(RESET_PATH, reset_prefix_cache, methods=["POST"])
+
+    async def _reset(self, request: Any) -> Any:
+        from fastapi.responses import JSONResponse
+
+        if not cache_reset_enabled():
+            return _error(403, "prefix-cache reset is disabled on this server; start it with "
+                               "`minipic serve --enable-cache-reset` to allow it",
+                          "ForbiddenError")
+        if self._api_tokens:
+            from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+            if not AuthenticationMiddleware(None, self._api_tokens).verify_token(request.headers):
+                return _error(401, "Unauthorized: send the server's API key as a Bearer token",
+                              "AuthenticationError")
+        engine = getattr(request.app.state, "engine_client", None)
+        if engine is None:
+            return _error(503, "no engine behind this server", "ServiceUnavailableError")
+        if not await engine.reset_prefix_cache():
+            return _error(409, "the engine refused to reset its prefix cache: blocks are held "
+                               "by running requests; retry when they are done", "ConflictError")
+        return JSONResponse({"success": True})
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        return None
+        from vllm import envs
+
+        keys = getattr(args, "api_key", None) or [envs.VLLM_API_KEY]
+        self._api_tokens = [key for key in keys if key]

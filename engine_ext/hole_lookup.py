@@ -54,7 +54,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from minipic.span_config import spans_opted_in
+from span_contract.span_config import spans_opted_in
 
 logger = logging.getLogger("vllm.minipic.hole_lookup")
 

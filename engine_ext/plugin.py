@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 
-from minipic.span_config import SpanConfig, enabled_features
+from span_contract.span_config import SpanConfig, enabled_features
 
 logger = logging.getLogger("minipic.plugin")
 

@@ -6,7 +6,7 @@ state only at the end of a prefill chunk — and (b) was *kept and hashed* in th
 Stock vLLM decides both by itself: chunk ends fall where the token budget and a few mandatory
 stops (the prompt tail, a Marconi-style shared-prefix junction) put them, and with
 ``prefix_cache_retention_interval=0`` only those stops are kept. Neither follows a plan, so a
-plan from ``engine_ext.checkpoints`` (DESIGN.md §4) could not be realised without these hooks.
+plan from ``checkpoint_planner`` (DESIGN.md §4) could not be realised without these hooks.
 
 All hooks run in the **EngineCore** process (where the scheduler and KV cache manager live);
 the worker is untouched. They act only on requests that have a plan (see

@@ -34,7 +34,8 @@ every request and every later step that reads that block there; it is dropped wh
 written, so a decode step rebuilds one block per request. Nothing shared is ever rewritten in the
 KV cache, and one physical block serves any number of requests at any offsets in the same batch.
 Which physical block sits at which home slot, and the pool's entries, are tracked per KV-cache
-group by the metadata builder (``step_plan.HomeSlots``, ``rotated_pool.RotatedBlocks``), once per step.
+group by the metadata builder (``step_plan.HomeSlots``, ``rotated_pool.RotatedBlocks``), once
+per step.
 
 **Paths.** ``MINIPIC_CPU_ATTN=auto`` (default): requests at home run vLLM's C++ kernel on region
 [2]; only off-home requests go through the pool. ``scratch`` sends every request through the pool,
@@ -68,7 +69,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from minipic.span_config import SpanConfig
+from span_contract.span_config import SpanConfig
 
 BACKEND_PATH = "engine_ext.rope_attention_backend.MinipicCPUAttentionBackend"
 CUDA_BACKEND_PATH = "engine_ext.cuda_backend.MinipicCudaAttentionBackend"

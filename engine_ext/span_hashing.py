@@ -26,9 +26,9 @@ Blocks with no special token at their start hash exactly as in stock vLLM, so a 
 SSEP/PDEP gets the stock hashes (PIC off == stock vLLM).
 
 Opt-in: only a request that asked for span semantics (``extra_args["minipic_spans"]``, see
-``minipic.span_config.spans_opted_in``) gets SSEP/PDEP hashing; any other request gets the stock
-chain for every block, whatever its tokens are — a plain client whose text happens to encode to
-the marker ids must not share KV with span requests.
+``span_contract.span_config.spans_opted_in``) gets SSEP/PDEP hashing; any other request gets the
+stock chain for every block, whatever its tokens are — a plain client whose text happens to
+encode to the marker ids must not share KV with span requests.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from minipic.span_config import SpanConfig, spans_opted_in
+from span_contract.span_config import SpanConfig, spans_opted_in
 
 PDEP_TAG = ("minipic", "pdep")
 FULL_CHAIN_ATTR = "_minipic_full_chain"

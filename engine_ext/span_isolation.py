@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from engine_ext.span_segments import block_key_starts
-from minipic.span_config import SpanConfig, spans_opted_in
+from span_contract.span_config import SpanConfig, spans_opted_in
 
 TARGET = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata"
 _STEP = threading.local()

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from minipic.models import ModelUnavailableError
+from span_contract.models import ModelUnavailableError
 
 DESCRIPTION = """\
 minipic — span-aware, position-independent KV caching for RAG and agent prompts on vLLM.
@@ -26,7 +26,7 @@ SUBCOMMAND_MODULES = (
     "minipic.models_cli",
     "minipic.serve",
     "minipic.demo",
-    "engine_ext.checkpoints.cli",
+    "checkpoint_planner.cli",
     "minipic.bench",
 )
 

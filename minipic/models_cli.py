@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from minipic import models
+from span_contract import models
 
 
 def add_subparser(subparsers: argparse._SubParsersAction) -> None:

@@ -52,7 +52,7 @@ class EnginePool:
         self._alive: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
     def get(self, profile: str) -> Any:
-        from minipic.engine_config import EngineSettings, build_llm, close_llm
+        from span_contract.engine_config import EngineSettings, build_llm, close_llm
 
         if profile in self._alive:
             self._alive.move_to_end(profile)
@@ -66,7 +66,7 @@ class EnginePool:
         return llm
 
     def close(self) -> None:
-        from minipic.engine_config import close_llm
+        from span_contract.engine_config import close_llm
 
         while self._alive:
             _, llm = self._alive.popitem(last=False)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipic.span_config import SpanConfig
+from span_contract.span_config import SpanConfig
 
 
 @dataclass

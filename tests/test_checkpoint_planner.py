@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_ext.checkpoints import (
+from checkpoint_planner import (
     METHODS,
     OverlapHistogram,
     expected_recompute,
@@ -29,7 +29,7 @@ from engine_ext.checkpoints import (
     suboptimality_bound,
     tv_distance,
 )
-from engine_ext.checkpoints import cli as plan_cli
+from checkpoint_planner import cli as plan_cli
 
 pytestmark = pytest.mark.fast
 

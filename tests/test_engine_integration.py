@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine_ext.patches import PATCH_POINTS, VLLM_CHECKED, table
-from minipic.span_config import SpanConfig
+from span_contract.span_config import SpanConfig
 
 pytestmark = pytest.mark.fast
 
@@ -78,7 +78,7 @@ def test_other_vllm_version_stops_plugin_load_unless_allowed(tmp_path: Path) -> 
 def test_engine_refuses_to_start_on_incompatible_vllm(tmp_path: Path) -> None:
     """A real engine start (tiny model): it fails with the table's message, it does not run."""
     body = """
-    from minipic.engine_config import EngineSettings, build_llm
+    from span_contract.engine_config import EngineSettings, build_llm
 
     if __name__ == "__main__":
         llm = build_llm(EngineSettings(model="tiny-llama", max_model_len=512))

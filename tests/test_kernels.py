@@ -607,7 +607,8 @@ for cfg in json.loads(sys.argv[1]):
         PASS_PAD=max(16, triton.next_power_of_2(max(1, cfg["head"] - cfg["rot"]))),
         IS_NEOX=cfg["neox"], QPK=cfg["qpk"], BLOCK_M=cfg["bm"], BLOCK_Q=cfg["bm"] // cfg["qpk"],
         BLOCK_N=cfg["bn"], BLOCK_SIZE=16, CAUSAL=cfg["causal"], DOT_FP32=cfg["dtype"] == "fp32",
-        HAS_KEY_START=cfg.get("key_start", False), num_reqs=1, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1, stride_csd=1,
+        HAS_KEY_START=cfg.get("key_start", False), num_reqs=1,
+        stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1, stride_csd=1,
     )
     int_ptrs = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
     sig = {}

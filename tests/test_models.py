@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minipic import models
+from span_contract import models
 
 pytestmark = pytest.mark.fast
 

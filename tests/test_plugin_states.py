@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from minipic.span_config import SpanConfig
+from span_contract.span_config import SpanConfig
 
 pytestmark = pytest.mark.fast
 

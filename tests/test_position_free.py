@@ -48,7 +48,7 @@ from pic_reference import (  # noqa: E402
     random_ordinary_ids,
 )
 
-from minipic.span_config import SPANS_OPT_IN_KEY  # noqa: E402
+from span_contract.span_config import SPANS_OPT_IN_KEY  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -170,7 +170,7 @@ def _tiny_qwen3(folder: str) -> str:
     """A 2-layer random Qwen3 (per-head q/k RMSNorm before RoPE) with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from minipic.models import default_model_dir
+    from span_contract.models import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     config = Qwen3Config(
@@ -193,7 +193,7 @@ def _tiny_qwen3(folder: str) -> str:
 
 def test_qwen3_normed_unrotated_keys(tmp_path_factory, seed) -> None:
     """Qwen3 applies q/k-norm before RoPE: the cache must hold the normed, unrotated key."""
-    from minipic.engine_config import EngineSettings, build_llm, close_llm
+    from span_contract.engine_config import EngineSettings, build_llm, close_llm
 
     folder = _tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3")))
     llm = build_llm(EngineSettings(model=folder, pic=True, max_model_len=2048))
@@ -478,7 +478,7 @@ def test_install_is_idempotent() -> None:
 
     from engine_ext import patches, unrotated_keys
     from engine_ext import rope_attention_backend as rab
-    from minipic.span_config import SpanConfig
+    from span_contract.span_config import SpanConfig
 
     saved_overrides = dict(registry._ATTN_OVERRIDES)
     saved_init = base_loader.initialize_model

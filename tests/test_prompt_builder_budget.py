@@ -10,8 +10,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minipic import tiktoken_offline
-from minipic.special_tokens import default_span_config
 from prompt_builder import (
     BudgetPolicy,
     HFTokenCounter,
@@ -28,6 +26,8 @@ from prompt_builder import (
     fit_texts,
 )
 from prompt_builder.budget import allocate, padded_span_cost
+from span_contract import tiktoken_offline
+from span_contract.special_tokens import default_span_config
 
 pytestmark = pytest.mark.fast
 
@@ -40,7 +40,7 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from minipic.models import ModelUnavailableError, default_model_dir
+    from span_contract.models import ModelUnavailableError, default_model_dir
 
     try:
         return AutoTokenizer.from_pretrained(default_model_dir(fetch=False))

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from checkpoint_planner import plan_checkpoints
 from engine_ext.checkpoint_policy import (
     OVERRIDE_KEY,
     CheckpointConfig,
@@ -27,7 +28,6 @@ from engine_ext.checkpoint_policy import (
     parse_override,
     positions_in,
 )
-from engine_ext.checkpoints import plan_checkpoints
 
 # Tolerance for chosen-token logprobs (nats), resumed vs prefix caching off. The model runs bf16
 # (vLLM's CPU GDN kernel accepts nothing else; the recurrent state is fp32), so any change of

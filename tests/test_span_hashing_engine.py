@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from minipic.span_config import SPANS_OPT_IN_KEY
 from prompt_builder import PromptBuilder
+from span_contract.span_config import SPANS_OPT_IN_KEY
 
 pytestmark = pytest.mark.engine
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_ext.span_hashing import make_span_block_hasher
-from minipic.span_config import SPANS_OPT_IN_KEY, SpanConfig
+from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
 
 pytestmark = pytest.mark.fast
 

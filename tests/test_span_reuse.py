@@ -34,7 +34,7 @@ from pic_reference import (
     random_ordinary_ids,
 )
 
-from minipic.span_config import SPANS_OPT_IN_KEY
+from span_contract.span_config import SPANS_OPT_IN_KEY
 
 pytestmark = pytest.mark.engine
 

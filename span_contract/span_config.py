@@ -1,0 +1,98 @@
+"""The one source of truth shared by the client (prompt builder) and the engine (vLLM plugin).
+
+Why it is separate: the two halves run in different processes, often on different machines. The
+client places SSEP/PDEP/PAD ids and pads spans to ``block_size``; the engine's block hasher reacts
+to exactly those ids at block starts. If the two disagree, nothing breaks loudly — spans just stop
+hitting the cache, or worse, hit where they should not. So both read the same pydantic model, the
+engine receives it through one environment variable that minipic itself sets, and the server
+states it (log line + ``GET /minipic/config``) so a client can check for a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ENABLE_ENV = "MINIPIC_ENABLE"
+SPAN_CONFIG_ENV = "MINIPIC_SPAN_CONFIG"
+FEATURES_ENV = "MINIPIC_FEATURES"
+# Settings of the ``ckpt`` feature (JSON of ``engine_ext.checkpoint_policy.CheckpointConfig``).
+CKPT_CONFIG_ENV = "MINIPIC_CKPT_CONFIG"
+# What the plugin does when enabled. ``hash``: SSEP/PDEP block hashing (EngineCore).
+# ``rope``: unrotated keys + RoPE inside attention + span isolation (worker). ``holes``: the
+# lookup continues past misses and computes only the holes (EngineCore; needs hash + rope).
+# All three by default; tests and benchmarks switch them separately to show what each is for.
+ALL_FEATURES = ("hash", "rope", "holes")
+# Known but not on by default: ``ckpt`` = sparse recurrent-state checkpoints for hybrid models
+# (EngineCore; ``engine_ext/recurrent_checkpoints.py``). Hybrid models run with it *instead of*
+# ``hash``, which refuses them.
+KNOWN_FEATURES = (*ALL_FEATURES, "ckpt")
+
+
+class SpanConfig(BaseModel):
+    """Block size and the three special token ids that mark span structure."""
+
+    model_config = ConfigDict(frozen=True)
+
+    block_size: int = Field(32, gt=0, description="KV block size the engine runs with")
+    ssep_id: int = Field(..., ge=0, description="span separator: block hash chain restarts")
+    pdep_id: int = Field(..., ge=0, description="prompt dependent: block hash covers the prefix")
+    pad_id: int = Field(..., ge=0, description="filler that aligns the next marker to a block")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> SpanConfig:
+        if len({self.ssep_id, self.pdep_id, self.pad_id}) != 3:
+            raise ValueError(
+                f"ssep_id, pdep_id and pad_id must be three different tokens, got "
+                f"{self.ssep_id}, {self.pdep_id}, {self.pad_id}"
+            )
+        return self
+
+    def to_env(self, features: tuple[str, ...] = ALL_FEATURES) -> dict[str, str]:
+        """Environment that turns the vLLM plugin on with this configuration."""
+        unknown = set(features) - set(KNOWN_FEATURES)
+        if unknown:
+            raise ValueError(
+                f"unknown minipic features {sorted(unknown)}; known: {KNOWN_FEATURES}"
+            )
+        return {
+            ENABLE_ENV: "1",
+            SPAN_CONFIG_ENV: self.model_dump_json(),
+            FEATURES_ENV: ",".join(features),
+        }
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> SpanConfig | None:
+        """The configuration the plugin was started with, or None when the plugin is off."""
+        env = os.environ if environ is None else environ
+        if env.get(ENABLE_ENV, "0") not in ("1", "true", "yes"):
+            return None
+        raw = env.get(SPAN_CONFIG_ENV)
+        if not raw:
+            raise RuntimeError(f"{ENABLE_ENV}=1 but {SPAN_CONFIG_ENV} is not set")
+        return cls.model_validate(json.loads(raw))
+
+
+def enabled_features(environ: dict[str, str] | None = None) -> frozenset[str]:
+    """Plugin features switched on in this process (empty when the plugin is off)."""
+    env = os.environ if environ is None else environ
+    if env.get(ENABLE_ENV, "0") not in ("1", "true", "yes"):
+        return frozenset()
+    raw = env.get(FEATURES_ENV, ",".join(ALL_FEATURES))
+    return frozenset(f.strip() for f in raw.split(",") if f.strip())
+
+
+# Span semantics are opt-in per request: ``SamplingParams(extra_args={SPANS_OPT_IN_KEY: True})``,
+# or ``"vllm_xargs": {"minipic_spans": true}`` on the OpenAI routes. A request without it gets
+# stock vLLM hashing and attention whatever its text contains (a plain client whose prompt
+# happens to contain ``<file_sep>`` must not change how its tokens attend or hit).
+SPANS_OPT_IN_KEY = "minipic_spans"
+
+
+def spans_opted_in(sampling_params: object) -> bool:
+    """Whether a request asked for span semantics (SSEP/PDEP hashing, lookup and isolation)."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    value = extra.get(SPANS_OPT_IN_KEY) if isinstance(extra, dict) else None
+    return value is True or value == 1 or (isinstance(value, str) and value.lower() == "true")
