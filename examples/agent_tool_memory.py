@@ -9,18 +9,22 @@ tokens, the TTFT and how many span prefills had to run.
 
 Runs on the embedded default model (SmolLM2-135M-Instruct, in-process vLLM). That model is a weak
 tool user: when its reply names no known tool, a keyword router picks one, and the line says so.
+Engine logs go to stderr at WARNING (``--verbose``: INFO; ``--engine-log FILE``: to a file), so
+stdout holds the script's own lines only.
 
-    python examples/agent_tool_memory.py
+    python examples/agent_tool_memory.py [--model tiny-llama] [--verbose]
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import datetime
 import operator
 import re
 from collections.abc import Callable
 
+from minipic.engine_logs import quiet_engine_logs
 from orchestrator import Answer, SyncOrchestrator
 from orchestrator.corpus import default_corpus
 from prompt_builder import Span
@@ -120,10 +124,20 @@ def report(turn: int, call: str, a: Answer) -> None:
           f"span prefills {a.prefills_sent} | spans warm {warm}/{len(a.spans)}")
 
 
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model folder or alias (default: SmolLM2)")
+    p.add_argument("--verbose", action="store_true", help="engine logs at INFO on stderr")
+    p.add_argument("--engine-log", default=None, metavar="FILE", help="engine logs to FILE")
+    return p.parse_args()
+
+
 def main() -> None:
+    args = parse_args()
+    quiet_engine_logs(args.verbose, args.engine_log)  # before the engine starts
     memory: list[Span] = []
     totals = [0, 0]
-    with SyncOrchestrator.embedded() as agent:
+    with SyncOrchestrator.embedded(args.model) as agent:
         for turn, message in enumerate(USER_TURNS, 1):
             spans = tool_spans(message) + memory[::-1]  # newest memory first
             plan = agent.answer(

@@ -16,7 +16,9 @@ SYSTEM = "Answer using only the documents provided. Reply with a short phrase."
 if __name__ == "__main__":
     base_url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000"
     with SyncOrchestrator.connect(base_url) as orc:
-        rag = SpanRAGRunnable(retriever=WikiRetriever(k=3), orchestrator=orc,
+        # output="answer": the full Answer (default "text": the reply, for StrOutputParser
+        # and tools; "message": an AIMessage with usage_metadata)
+        rag = SpanRAGRunnable(retriever=WikiRetriever(k=3), orchestrator=orc, output="answer",
                               system=SYSTEM, answer_kwargs={"max_tokens": 32})
         chain = rag | RunnableLambda(lambda a: f"{a.question} -> {a.text.strip()!r} "
                                                f"[cached {a.cached_tokens}/{a.prompt_tokens}]")

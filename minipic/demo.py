@@ -47,6 +47,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=int, default=3, help="passages retrieved per question (default: 3)")
     p.add_argument("--max-tokens", type=int, default=24, help="answer length cap (default: 24)")
     p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show the engine's INFO logs (on stderr); default: warnings only")
+    p.add_argument("--engine-log", default=None, metavar="FILE",
+                   help="write the engine's logs to FILE instead of the terminal")
     p.set_defaults(func=run)
 
 
@@ -61,6 +65,9 @@ class Row:
 
 
 def run(args: argparse.Namespace) -> int:
+    from minipic.engine_logs import quiet_engine_logs
+
+    quiet_engine_logs(args.verbose, args.engine_log)  # before vLLM is imported: stdout is ours
     from rich.console import Console
 
     from orchestrator import SyncOrchestrator

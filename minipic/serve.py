@@ -8,6 +8,11 @@ size and SSEP/PDEP ids the client's prompt builder uses, and ``GET /minipic/conf
 For hybrid (attention + recurrent) models, ``--ckpt-budget M`` switches to the ``ckpt`` feature:
 vLLM keeps recurrent state at M planned positions per prefix only (DESIGN.md §4), planned from
 ``--ckpt-histogram FILE`` or learned from the overlap depths the engine observes (``learn``).
+
+The server runs under ``minipic.supervise``: in a process group of its own, watched by a guard
+process, so that killing ``minipic serve`` (even with SIGKILL) stops vLLM's EngineCore and
+workers too, and SIGTERM / SIGINT shut it down in order. ``--enable-cache-reset`` opens
+``POST /minipic/reset_prefix_cache`` (off by default: emptying the cache is an operator's act).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import sys
 from pathlib import Path
 
 from engine_ext.checkpoint_policy import CheckpointConfig
-from minipic.engine_config import EngineSettings
+from engine_ext.endpoints import CACHE_RESET_ENV, RESET_PATH
+from minipic.supervise import supervise
+from span_contract.engine_config import EngineSettings
 
 DEFAULT_SERVED_NAME = "minipic"
 
@@ -50,12 +57,17 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                         "GDN kernel of hybrid models needs bfloat16)")
     p.add_argument("--compile", action="store_true",
                    help="use torch.compile (slower start-up, faster steps); default eager")
+    p.add_argument("--enable-cache-reset", action="store_true",
+                   help=f"serve POST {RESET_PATH} (empties the prefix cache; for tests, "
+                        "benchmarks and operators). Off by default: it answers 403")
     p.add_argument("--no-pic", action="store_true",
                    help="run stock vLLM behaviour (plugin off): the baseline")
     p.add_argument("--features", default=None,
                    help="plugin features to enable: hash (SSEP/PDEP block hashing), rope "
-                        "(unrotated keys, RoPE in attention), ckpt (sparse recurrent "
-                        "checkpoints). Default: hash,rope; with --ckpt-budget: ckpt")
+                        "(unrotated keys, RoPE in attention, span isolation), holes (reuse "
+                        "cached spans after a miss, compute only the holes; needs hash and "
+                        "rope), ckpt (sparse recurrent checkpoints). Default: hash,rope,holes; "
+                        "with --ckpt-budget: ckpt")
     ckpt = p.add_argument_group(
         "sparse recurrent checkpoints (hybrid models)",
         "Keep recurrent (GDN/Mamba) state only at M planned block boundaries per prefix instead "
@@ -88,7 +100,7 @@ def ckpt_config(args: argparse.Namespace) -> CheckpointConfig | None:
     if args.ckpt_histogram == "learn":
         return CheckpointConfig(budget=args.ckpt_budget, method=args.ckpt_method, learn=True,
                                 half_life=args.ckpt_half_life)
-    from engine_ext.checkpoints import load_histogram
+    from checkpoint_planner import load_histogram
 
     load_histogram(args.ckpt_histogram)
     return CheckpointConfig(budget=args.ckpt_budget, method=args.ckpt_method,
@@ -98,7 +110,7 @@ def ckpt_config(args: argparse.Namespace) -> CheckpointConfig | None:
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     """Engine settings for the parsed ``serve`` flags (not yet resolved)."""
     ckpt = ckpt_config(args)
-    default_features = "ckpt" if ckpt is not None else "hash,rope"
+    default_features = "ckpt" if ckpt is not None else "hash,rope,holes"
     features = tuple(f for f in (args.features or default_features).split(",") if f)
     if ckpt is not None and "ckpt" not in features:
         features = (*features, "ckpt")
@@ -126,14 +138,15 @@ def run(args: argparse.Namespace) -> int:
     if extra[:1] == ["--"]:
         extra = extra[1:]
     argv += extra
-    env = {**os.environ, **settings.plugin_env()}
+    env = {**os.environ, **settings.plugin_env(),
+           CACHE_RESET_ENV: "1" if args.enable_cache_reset else "0"}
     span = settings.span_config
     print(
         f"minipic serve: model={settings.model} block_size={settings.block_size} "
         f"pic={'on' if settings.pic else 'off'} ssep_id={span.ssep_id} pdep_id={span.pdep_id} "
         f"pad_id={span.pad_id} features={','.join(settings.features)} "
-        f"-> http://{args.host}:{args.port}",
+        f"cache_reset={'on' if args.enable_cache_reset else 'off'} "
+        f"-> http://{args.host}:{args.port} (pid {os.getpid()})",
         file=sys.stderr, flush=True,
     )
-    os.execve(argv[0], argv, env)
-    return 0  # not reached
+    return supervise(argv, env)

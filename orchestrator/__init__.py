@@ -10,7 +10,10 @@ Start with ``Orchestrator.embedded()`` (in-process vLLM) or ``Orchestrator.conne
 - ``slots``: bounded in-flight engine requests, oldest question first
 - ``backends`` / ``embedded_backend`` / ``http_backend``: the engine interface and its two forms
 - ``errors``, ``results``, ``retry``: what callers catch, read and tune
-- ``langchain_adapter``, ``wiki_retriever``: LangChain integration (imported on first use)
+- ``streaming``: one question's answer token by token (spans warmed first, final sent once)
+- ``langchain_adapter``, ``wiki_retriever``: LangChain integration (imported on first use), with
+  ``langchain_io`` (input and output types), ``langchain_tracing`` (the LLM child run) and
+  ``loop_bridge`` (sync and foreign-loop callers)
 - ``corpus``: the offline Wikipedia corpus and question set
 """
 

@@ -15,10 +15,10 @@ code use ``SyncOrchestrator``, which owns a loop thread and has the same methods
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
 from orchestrator.backends import EngineBackend, Sampling
@@ -51,11 +51,12 @@ class Question(BaseModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-    question: str
+    # strict: bytes are not silently decoded into a question (``answer`` refuses them too)
+    question: StrictStr
     documents: Sequence[Any] = Field(default_factory=list)
-    system: str | None = None
+    system: StrictStr | None = None
     mode: Mode | None = None
-    cache_salt: str | None = None
+    cache_salt: StrictStr | None = None
 
 
 def _coerce_options(options: SchedulerOptions | Mapping[str, Any] | None) -> SchedulerOptions:
@@ -75,18 +76,36 @@ def _sampling(kwargs: Mapping[str, Any]) -> Sampling:
         raise BadInputError(f"invalid sampling arguments (known: {known}): {exc}") from None
 
 
+def _check_salt(salt: object) -> None:
+    """A cache salt goes to the engine's block hash as is: a non-empty, valid-Unicode str."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise BadInputError(f"cache_salt must be a non-empty str or None, got {salt!r}"[:200])
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadInputError("cache_salt is not valid Unicode (lone surrogate)") from None
+
+
 def _coerce_question(item: Any, index: int) -> Question:
     if isinstance(item, Question):
         return item
     if isinstance(item, str):
         return Question(question=item)
+    fields: Any = None
     if isinstance(item, Mapping):
+        fields = dict(item)
+    elif isinstance(item, tuple) and len(item) == 2:
+        docs = item[1]
+        if isinstance(docs, Iterable) and not isinstance(docs, (str, bytes, Mapping, Sequence)):
+            docs = list(docs)  # a generator of documents
+        fields = {"question": item[0], "documents": docs}
+    if fields is not None:
         try:
-            return Question.model_validate(dict(item))
+            return Question.model_validate(fields)
         except PydanticValidationError as exc:
             raise BadInputError(f"question {index}: {exc}", question_index=index) from None
-    if isinstance(item, tuple) and len(item) == 2:
-        return Question(question=item[0], documents=list(item[1]))
     raise BadInputError(
         f"question {index}: expected str, Question, mapping or (question, documents), got "
         f"{type(item).__name__}", question_index=index,
@@ -228,6 +247,10 @@ class Orchestrator:
                                 else f"question must be a str, got {type(question).__name__}")
         if isinstance(documents, (str, bytes)):
             raise BadInputError("documents must be a list of documents, not one string")
+        if isinstance(documents, Mapping) or not isinstance(documents, Iterable):
+            raise BadInputError(f"documents must be a list of documents, got "
+                                f"{type(documents).__name__}")
+        documents = list(documents)
         if require_documents and not documents:
             raise BadInputError("no documents given (pass require_documents=False to answer "
                                 "from the model alone)")
@@ -262,9 +285,12 @@ class Orchestrator:
 
         ``sampling``: ``max_tokens`` (64), ``temperature`` (0), ``top_p``, ``seed``, ``stop``.
         ``cache_salt`` scopes the cache (tenants never share spans across salts). Raises a
-        ``MinipicError`` subclass on failure.
+        ``MinipicError`` subclass on failure. A blank question is ``BadInputError``; a document
+        with no content (empty, whitespace only) is left out and named in
+        ``Answer.skipped_spans`` — a retriever's empty hit must not fail the question.
         """
         params = _sampling(sampling)
+        _check_salt(cache_salt)
         prompt = self.build(question, documents, system, mode, max_tokens=params.max_tokens,
                             budget=budget, require_documents=require_documents)
         job = Job(0, question, prompt, params, cache_salt)
@@ -294,29 +320,48 @@ class Orchestrator:
 
         Each item is a ``Question``, a mapping of its fields, a ``(question, documents)`` pair,
         or a bare question string that uses ``documents``; ``system``, ``mode`` and
-        ``cache_salt`` are defaults for items that do not set them.
+        ``cache_salt`` are defaults for items that do not set them. Whatever an item holds, it
+        ends as its own ``Answer`` or ``BadInputError``; only a ``questions`` that is not a list
+        at all, or invalid call-wide options, raise ``BadInputError`` for the whole call.
         """
-        if isinstance(questions, str):
-            raise BadInputError("questions must be a list, not one string")
+        if isinstance(questions, (str, bytes, Mapping)) or not isinstance(questions, Iterable):
+            raise BadInputError(f"questions must be a list, got {type(questions).__name__}")
+        questions = list(questions)
         params = _sampling(sampling)
+        _check_salt(cache_salt)
         results: list[Answer | MinipicError | None] = [None] * len(questions)
         jobs: list[Job] = []
         for i, item in enumerate(questions):
             try:
-                q = _coerce_question(item, i)
-                docs = q.documents if q.documents or documents is None else documents
-                prompt = self.build(q.question, docs, q.system if q.system is not None
-                                    else system, q.mode or mode, max_tokens=params.max_tokens,
-                                    budget=budget, require_documents=require_documents)
-                jobs.append(Job(i, q.question, prompt, params, q.cache_salt or cache_salt))
+                jobs.append(self._job(i, item, documents, system, mode, cache_salt, budget,
+                                      require_documents, params))
             except MinipicError as exc:
                 results[i] = with_index(exc, i)
+            except Exception as exc:  # one item's input must not sink the batch
+                err = BadInputError(f"question {i}: cannot build a prompt from this input "
+                                    f"({type(exc).__name__}: {exc})"[:500], question_index=i)
+                err.__cause__ = exc
+                results[i] = err
         for job, result in zip(jobs, await self.scheduler.run(jobs, policy=policy,
                                                               skip_warm=skip_warm), strict=True):
             results[job.index] = result
         done = [r for r in results if r is not None]
         assert len(done) == len(results), "every question ends as an answer or an error"
         return done
+
+    def _job(
+        self, index: int, item: Any, documents: Any, system: str | None, mode: Mode | str,
+        cache_salt: str | None, budget: BudgetPolicy | str, require_documents: bool,
+        params: Sampling,
+    ) -> Job:
+        """One ``answer_many`` item as a job with its built prompt (or ``BadInputError``)."""
+        q = _coerce_question(item, index)
+        _check_salt(q.cache_salt)
+        docs = q.documents if q.documents or documents is None else documents
+        prompt = self.build(q.question, docs, q.system if q.system is not None else system,
+                            q.mode or mode, max_tokens=params.max_tokens, budget=budget,
+                            require_documents=require_documents)
+        return Job(index, q.question, prompt, params, q.cache_salt or cache_salt)
 
     async def warm(
         self,
@@ -328,6 +373,7 @@ class Orchestrator:
     ) -> int:
         """Prefill these documents' spans now (e.g. a corpus, or an agent's tool descriptions)
         so later questions find them warm. Returns how many prefills it sent."""
+        _check_salt(cache_salt)
         prompt = self.build("?", documents, system, mode, max_tokens=1)
         return await self.scheduler.prewarm(prompt, cache_salt)
 

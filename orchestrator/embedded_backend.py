@@ -19,10 +19,11 @@ import gc
 import os
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from minipic.engine_config import EngineSettings
+from minipic.span_config import SPANS_OPT_IN_KEY
 from orchestrator.backends import BackendInfo, Completion, Sampling
 from orchestrator.errors import BadInputError, EngineError, MinipicError
 from orchestrator.kv_usage import KVUsageMonitor
@@ -105,6 +106,24 @@ class EmbeddedBackend:
         cache_salt: str | None = None,
         request_id: str | None = None,
     ) -> Completion:
+        done: Completion | None = None
+        async for item in self.stream(token_ids, sampling=sampling, cache_salt=cache_salt,
+                                      request_id=request_id):
+            if isinstance(item, Completion):
+                done = item
+        assert done is not None, "stream() ends with its Completion"
+        return done
+
+    async def stream(
+        self,
+        token_ids: Sequence[int],
+        *,
+        sampling: Sampling,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[str | Completion]:
+        """``generate``, one text delta at a time as the engine produces them (non-empty
+        strings), then the ``Completion``. Closing the iterator early aborts the request."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
@@ -116,6 +135,7 @@ class EmbeddedBackend:
             max_tokens=sampling.max_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p, seed=sampling.seed, stop=list(sampling.stop) or None,
             output_kind=RequestOutputKind.DELTA,
+            extra_args={SPANS_OPT_IN_KEY: True},  # span semantics are opt-in per request
         )
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         if cache_salt is not None:
@@ -137,6 +157,8 @@ class EmbeddedBackend:
                     text.append(choice.text)
                     out_ids.extend(choice.token_ids)
                     finish = choice.finish_reason or finish
+                    if choice.text:
+                        yield choice.text
         except EngineDeadError as exc:
             raise EngineError(f"the embedded vLLM engine died: {exc}") from exc
         except (VLLMClientError, ValueError) as exc:
@@ -144,11 +166,22 @@ class EmbeddedBackend:
             raise BadInputError(f"the engine rejected the request: {exc}") from (
                 exc.with_traceback(None))
         done = time.perf_counter()
-        return Completion(
+        yield Completion(
             text="".join(text), token_ids=out_ids, prompt_tokens=len(token_ids),
             cached_tokens=cached, ttft_s=(first or done) - sent, latency_s=done - sent,
             finish_reason=finish,
         )
+
+    async def rotated_pool_stats(self) -> dict[str, Any]:
+        """The CPU worker's rotated-block pool: bytes now, peak, cap and the budget it was given
+        (memory outside the KV blocks, inside the configured KV space; see
+        ``engine_ext/rotated_pool.py``). Empty when the engine has no such pool."""
+        self._check_loop()
+        try:
+            replies = await self.engine.collective_rpc("minipic_rotated_pool_stats")
+        except Exception:  # stock engine, GPU, or plugin off: no pool to report
+            return {}
+        return replies[0] if replies else {}
 
     async def reset_cache(self) -> None:
         self._check_loop()

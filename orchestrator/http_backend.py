@@ -24,12 +24,12 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import httpx
 
-from minipic.span_config import SpanConfig
+from minipic.span_config import SPANS_OPT_IN_KEY, SpanConfig
 from orchestrator.backends import BackendInfo, Completion, Sampling
 from orchestrator.errors import (
     BadInputError,
@@ -40,7 +40,8 @@ from orchestrator.errors import (
 )
 
 CONFIG_PATH = "/minipic/config"
-RESET_PATH = "/reset_prefix_cache"
+RESET_PATH = "/reset_prefix_cache"  # vLLM's, development mode only
+MINIPIC_RESET_PATH = "/minipic/reset_prefix_cache"  # `minipic serve --enable-cache-reset`
 # connect quickly or call the server unreachable; reads are bounded by the scheduler's timeout
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
 
@@ -174,6 +175,8 @@ class HttpBackend:
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
+            # Span semantics are opt-in per request (minipic.span_config.SPANS_OPT_IN_KEY).
+            "vllm_xargs": {SPANS_OPT_IN_KEY: True},
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
@@ -193,6 +196,25 @@ class HttpBackend:
         cache_salt: str | None = None,
         request_id: str | None = None,
     ) -> Completion:
+        done: Completion | None = None
+        async for item in self.stream(token_ids, sampling=sampling, cache_salt=cache_salt,
+                                      request_id=request_id):
+            if isinstance(item, Completion):
+                done = item
+        assert done is not None, "stream() ends with its Completion"
+        return done
+
+    async def stream(
+        self,
+        token_ids: Sequence[int],
+        *,
+        sampling: Sampling,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[str | Completion]:
+        """``generate``, one text delta per SSE chunk as the server sends them (non-empty
+        strings), then the ``Completion``. Closing the iterator early closes the connection,
+        which makes vLLM abort the request."""
         url = self.base_url + "/v1/completions"
         payload = self._payload(token_ids, sampling, cache_salt, request_id)
         sent = time.perf_counter()
@@ -222,6 +244,8 @@ class HttpBackend:
                         text.append(choice.get("text") or "")
                         out_ids.extend(choice.get("token_ids") or [])
                         finish = choice.get("finish_reason") or finish
+                        if text[-1]:
+                            yield text[-1]
                     usage = chunk.get("usage") or usage
         except httpx.HTTPError as exc:
             raise _transport_error(exc, self.base_url) from exc
@@ -234,7 +258,7 @@ class HttpBackend:
                 f"{self.base_url} does not report cached prompt tokens; start vLLM with "
                 "--enable-prompt-tokens-details (`minipic serve` does)"
             )
-        return Completion(
+        yield Completion(
             text="".join(text), token_ids=out_ids,
             prompt_tokens=int(usage.get("prompt_tokens", len(token_ids))),
             cached_tokens=int(details["cached_tokens"] or 0),
@@ -242,24 +266,82 @@ class HttpBackend:
         )
 
     async def reset_cache(self) -> None:
-        """``POST /reset_prefix_cache``: vLLM serves it only with ``VLLM_SERVER_DEV_MODE=1``."""
+        """Empty the server's prefix cache: ``POST /minipic/reset_prefix_cache``, which
+        ``minipic serve`` answers only when started with ``--enable-cache-reset`` (403 else).
+        A server without that route (404: not minipic's) is asked at vLLM's development-mode
+        ``/reset_prefix_cache`` instead."""
+        resp = await self._post_reset(MINIPIC_RESET_PATH)
+        if resp.status_code == 404:
+            resp = await self._post_reset(RESET_PATH)
+            if resp.status_code in (404, 405):
+                raise EngineError(
+                    f"{self.base_url} has no prefix-cache reset route: start it with `minipic "
+                    "serve --enable-cache-reset` (vLLM's own /reset_prefix_cache needs "
+                    "VLLM_SERVER_DEV_MODE=1 in the server's environment)"
+                )
+        if resp.status_code == 403:
+            raise EngineError(f"{self.base_url} refused to reset its prefix cache: "
+                              f"{_error_message(resp.content)}", status_code=403)
+        if resp.status_code == 409:
+            raise EngineError(f"{self.base_url}: {_error_message(resp.content)}",
+                              retryable=True, status_code=409)
+        if resp.status_code != 200:
+            raise _status_error(resp.status_code, resp.content, str(resp.request.url))
+        if resp.content and resp.json().get("success") is False:  # vLLM's route says so
+            raise EngineError(f"{self.base_url} refused to reset its prefix cache (requests "
+                              "running?)", retryable=True)
+
+    async def _post_reset(self, path: str) -> httpx.Response:
         try:
-            resp = await self._client().post(RESET_PATH)
+            return await self._client().post(path)
         except httpx.HTTPError as exc:
             raise _transport_error(exc, self.base_url) from exc
-        if resp.status_code in (404, 405):
-            raise EngineError(
-                f"{self.base_url} has no {RESET_PATH}; vLLM serves it only when the server was "
-                "started with VLLM_SERVER_DEV_MODE=1 in its environment"
-            )
-        if resp.status_code != 200:
-            raise _status_error(resp.status_code, resp.content, self.base_url + RESET_PATH)
 
     async def health(self) -> bool:
         try:
             return (await self._client().get("/health", timeout=5.0)).status_code == 200
         except httpx.HTTPError:
             return False
+
+    async def check_config(self) -> None:
+        """Read ``GET /minipic/config`` again; ``ConfigMismatchError`` when the server now runs
+        another span configuration than the one this backend connected to.
+
+        Why again: a server restarted on the same port with another ``--block-size`` (or
+        ``--no-pic``) answers every request, but prompts laid out for the old blocks never hit
+        its cache — silently. The scheduler calls this after every lost connection (before it
+        sends again) and when a final prompt finds spans cold.
+        """
+        try:
+            resp = await self._client().get(CONFIG_PATH, timeout=10.0)
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc, self.base_url) from exc
+        if resp.status_code not in (200, 404):
+            raise _status_error(resp.status_code, resp.content, self.base_url + CONFIG_PATH)
+        try:
+            raw = resp.json() if resp.status_code == 200 else {}
+            raw = raw if isinstance(raw, dict) else {}
+            span = raw.get("span_config")
+            now = SpanConfig.model_validate(span) if raw.get("enabled") and span else None
+        except ValueError as exc:  # not JSON, or not a SpanConfig (pydantic's is a ValueError)
+            raise ConfigMismatchError(
+                f"{self.base_url}{CONFIG_PATH} no longer answers a span configuration: {exc}"
+            ) from None
+        ours = self.info.span_config
+        if now == ours:
+            return
+        if now is None or ours is None:
+            diff = f"span-aware caching {'off' if now is None else 'on'} (was " \
+                   f"{'off' if ours is None else 'on'})"
+        else:
+            diff = "; ".join(f"{name} {getattr(ours, name)} -> {getattr(now, name)}"
+                             for name in SpanConfig.model_fields
+                             if getattr(ours, name) != getattr(now, name))
+        raise ConfigMismatchError(
+            f"{self.base_url} now runs another span configuration than at connect: {diff}. "
+            "Prompts laid out for the old one would never hit its cache; connect a new "
+            "orchestrator (or restart the server with the old configuration)"
+        )
 
     async def aclose(self) -> None:
         loop = asyncio.get_running_loop()

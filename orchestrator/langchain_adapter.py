@@ -1,84 +1,94 @@
 """LangChain: any ``BaseRetriever`` + the orchestrator as one LCEL ``Runnable``.
 
-``SpanRAGRunnable`` takes a question (a string, or a dict with ``"question"``), retrieves
+``SpanRAGRunnable`` takes what a LangChain model takes (a string, a prompt value from
+``PromptTemplate`` / ``ChatPromptTemplate``, messages) or a dict with ``"question"``; retrieves
 documents with the retriever, turns each ``Document`` into a span (``documents_to_spans``) and
-answers through the orchestrator. ``batch`` / ``abatch`` answer the whole batch with one
-``answer_many`` call, so span prefills are de-duplicated and pipelined across it (ISPS) instead
-of running as independent chains.
+answers through the orchestrator. By default it returns the answer's text, so
+``prompt | rag | StrOutputParser()`` and ``rag.as_tool(...)`` work as with any model;
+``output="message"`` gives an ``AIMessage`` with usage metadata, ``output="answer"`` the full
+``Answer`` (``orchestrator.langchain_io`` describes all three).
+
+What LangChain machinery sees: the retriever's run, then the model call as a child LLM run
+(``on_llm_start`` / ``on_llm_new_token`` / ``on_llm_end`` with ``usage_metadata`` including
+``input_token_details.cache_read``; ``orchestrator.langchain_tracing``). ``stream`` / ``astream``
+yield tokens as the engine produces them (``orchestrator.streaming``). ``batch`` / ``abatch``
+answer the whole batch with one ``answer_many`` call, so span prefills are de-duplicated and
+pipelined across it (ISPS); with ``max_concurrency`` in the config, at most that many questions
+are in flight at once instead. A retriever that finds nothing does not fail the question: the
+model answers alone, and ``no_documents`` says so (``response_metadata`` of a message,
+``langchain_io.no_documents(answer)``).
 
 Span identity: ``metadata["span_id"]`` when the retriever sets one, else ``Document.id``, else
-the content address of the text (same text, same span). Stable ids let the warmth registry and
-reports name documents as the retriever does.
+the content address of the text (same text, same span).
 
 Sync vs async: with a ``SyncOrchestrator`` every method works anywhere. With an async
-``Orchestrator``, ``ainvoke`` / ``abatch`` run on the caller's loop; ``invoke`` / ``batch`` work
-only where no loop is running (they use ``asyncio.run``; an embedded engine needs one loop for
-its lifetime, so pair it with ``SyncOrchestrator`` for sync chains).
+``Orchestrator``, ``ainvoke`` / ``abatch`` / ``astream`` run on the caller's loop; the sync
+methods work only where no loop is running (``orchestrator.loop_bridge``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForChainRun
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForChainRun,
+    CallbackManagerForChainRun,
+)
 from langchain_core.documents import Document
+from langchain_core.messages import AIMessageChunk
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import ConfigDict, Field, field_validator
 
 from orchestrator.client import Orchestrator, Question
 from orchestrator.errors import BadInputError, MinipicError
+from orchestrator.langchain_io import (
+    QUESTION_KEYS,
+    ChainInput,
+    Output,
+    RAGInput,
+    document_to_span,
+    documents_to_spans,
+    final_chunk,
+    no_documents,
+    output_type,
+    parse_input,
+    question_of,
+    render_prompt,
+    shape,
+)
+from orchestrator.langchain_tracing import LLMRun
+from orchestrator.loop_bridge import iterate_async, iterate_sync, run_async, run_sync
 from orchestrator.results import Answer
+from orchestrator.streaming import stream_answer
 from orchestrator.sync_client import SyncOrchestrator
 from prompt_builder import Span
 
-QUESTION_KEYS = ("question", "query", "input")
+__all__ = ["QUESTION_KEYS", "SpanRAGRunnable", "document_to_span", "documents_to_spans",
+           "no_documents", "parse_input", "question_of"]
 
 
-def document_to_span(doc: Document, format_document: Callable[[Document], str] | None = None
-                     ) -> Span | None:
-    """A span for one retrieved document (None for an empty one: nothing to cache)."""
-    text = format_document(doc) if format_document else doc.page_content
-    if not text or not text.strip():
-        return None
-    span_id = doc.metadata.get("span_id") or doc.id
-    score = doc.metadata.get("score")
-    if not (isinstance(score, (int, float)) and not isinstance(score, bool)
-            and math.isfinite(score)):
-        score = None
-    return Span(text=text, id=str(span_id) if span_id else None, score=score)
+@dataclass(frozen=True)
+class _Prepared:
+    """One input after parsing and retrieval: what to ask, with which spans and system."""
+
+    parsed: ChainInput
+    spans: list[Span]
+    system: str | None
+
+    @property
+    def prompt(self) -> str:
+        return render_prompt(self.system, self.spans, self.parsed.question)
 
 
-def documents_to_spans(docs: Sequence[Document],
-                       format_document: Callable[[Document], str] | None = None) -> list[Span]:
-    """Spans for retrieved documents, in retrieval order; empty documents are left out."""
-    spans = (document_to_span(d, format_document) for d in docs)
-    return [s for s in spans if s is not None]
-
-
-def question_of(value: Any) -> str:
-    """The question in a chain input: a string, or a dict with one of ``QUESTION_KEYS``."""
-    if isinstance(value, str):
-        question = value
-    elif isinstance(value, dict):
-        found = [value[k] for k in QUESTION_KEYS if k in value]
-        if not found:
-            raise BadInputError(f"input dict has none of the keys {QUESTION_KEYS}")
-        question = found[0]
-    else:
-        raise BadInputError(f"input must be a str or a dict, got {type(value).__name__}")
-    if not isinstance(question, str) or not question.strip():
-        raise BadInputError("question is empty")
-    return question
-
-
-class SpanRAGRunnable(RunnableSerializable[Any, Any]):
-    """Retrieve, then answer with span-aware caching. Output: the ``Answer`` (``output="answer"``)
-    or just its text (``output="text"``). ``answer_kwargs`` go to ``answer`` / ``answer_many``
-    (``max_tokens``, ``temperature``, ``cache_salt``, ``budget``, ...)."""
+class SpanRAGRunnable(RunnableSerializable[RAGInput, Any]):
+    """Retrieve, then answer with span-aware caching. ``output``: ``"text"`` (default),
+    ``"message"`` or ``"answer"``. ``answer_kwargs`` go to ``answer`` / ``answer_many``
+    (``max_tokens``, ``temperature``, ``cache_salt``, ``budget``, ...). A chat prompt's system
+    messages replace ``system`` for that call."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -86,7 +96,7 @@ class SpanRAGRunnable(RunnableSerializable[Any, Any]):
     orchestrator: Any = Field(description="an Orchestrator or a SyncOrchestrator")
     system: str | None = None
     mode: str = "block_attention"
-    output: Literal["answer", "text"] = "answer"
+    output: Output = "text"
     answer_kwargs: dict[str, Any] = Field(default_factory=dict)
     format_document: Callable[[Document], str] | None = None
 
@@ -98,6 +108,16 @@ class SpanRAGRunnable(RunnableSerializable[Any, Any]):
                             f"{type(value).__name__}")
         return value
 
+    # -- types ----------------------------------------------------------------------------------
+
+    @property
+    def InputType(self) -> Any:  # noqa: N802 - LangChain's name
+        return RAGInput
+
+    @property
+    def OutputType(self) -> Any:  # noqa: N802 - LangChain's name
+        return output_type(self.output)
+
     # -- helpers --------------------------------------------------------------------------------
 
     @property
@@ -105,64 +125,66 @@ class SpanRAGRunnable(RunnableSerializable[Any, Any]):
         orc = self.orchestrator
         return orc.aio if isinstance(orc, SyncOrchestrator) else orc
 
-    def _run_sync(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        if isinstance(self.orchestrator, SyncOrchestrator):
-            return self.orchestrator.submit(coro).result()
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(coro)
-        coro.close()
-        raise MinipicError("sync invoke/batch inside a running event loop: use ainvoke/abatch, "
-                           "or give the runnable a SyncOrchestrator")
+    @property
+    def _model_name(self) -> str:
+        return self._aio.backend.info.model
 
-    async def _run_async(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        if isinstance(self.orchestrator, SyncOrchestrator):
-            return await asyncio.wrap_future(self.orchestrator.submit(coro))
-        return await coro
+    @property
+    def _kwargs(self) -> dict[str, Any]:
+        """``answer_kwargs``, where a retriever's empty result is answered, not refused."""
+        return {"require_documents": False, **self.answer_kwargs}
 
-    def _answer(self, question: str, docs: list[Document]) -> Coroutine[Any, Any, Answer]:
-        return self._aio.answer(question, documents_to_spans(docs, self.format_document),
-                                self.system, self.mode, **self.answer_kwargs)
+    def _params(self) -> dict[str, Any]:
+        return {"mode": self.mode, "output": self.output, **self.answer_kwargs}
 
-    def _answer_many(self, items: list[Question]) -> Coroutine[Any, Any, list[Any]]:
-        return self._aio.answer_many(items, system=self.system, mode=self.mode,
-                                     **self.answer_kwargs)
+    def _prepare(self, parsed: ChainInput, docs: list[Document]) -> _Prepared:
+        return _Prepared(parsed, documents_to_spans(docs, self.format_document),
+                         parsed.system or self.system)
+
+    def _answer(self, p: _Prepared) -> Coroutine[Any, Any, Answer]:
+        return self._aio.answer(p.parsed.question, p.spans, p.system, self.mode, **self._kwargs)
+
+    def _stream(self, p: _Prepared) -> Callable[[], AsyncIterator[str | Answer]]:
+        return lambda: stream_answer(self._aio, p.parsed.question, p.spans, p.system,
+                                     self.mode, **self._kwargs)
+
+    def _start(self, run_manager: CallbackManagerForChainRun, p: _Prepared) -> LLMRun:
+        return LLMRun.start(run_manager, p.prompt, self._model_name, self._params())
+
+    async def _astart(self, run_manager: AsyncCallbackManagerForChainRun,
+                      p: _Prepared) -> LLMRun:
+        return await LLMRun.astart(run_manager, p.prompt, self._model_name, self._params())
 
     def _shape(self, result: Any) -> Any:
-        if isinstance(result, Answer) and self.output == "text":
-            return result.text
-        return result
-
-    def _questions(self, inputs: list[Any], docs: list[Any]) -> tuple[list[Question], list[Any]]:
-        """Questions for answer_many, and the slots already decided (input or retrieval errors)."""
-        results: list[Any] = [None] * len(inputs)
-        items: list[Question] = []
-        for i, (value, found) in enumerate(zip(inputs, docs, strict=True)):
-            if isinstance(found, Exception):
-                results[i] = found
-                continue
-            items.append(Question(question=question_of(value),
-                                  documents=documents_to_spans(found, self.format_document)))
-        return items, results
-
-    @staticmethod
-    def _merge(results: list[Any], answers: list[Any]) -> list[Any]:
-        it = iter(answers)
-        return [next(it) if r is None else r for r in results]
+        return shape(result, self.output, self._model_name)
 
     # -- single ---------------------------------------------------------------------------------
 
     def _invoke(self, value: Any, run_manager: CallbackManagerForChainRun,
                 config: RunnableConfig) -> Any:
-        question = question_of(value)
-        docs = self.retriever.invoke(question, config=config)
-        return self._shape(self._run_sync(self._answer(question, docs)))
+        parsed = parse_input(value)
+        p = self._prepare(parsed, self.retriever.invoke(parsed.query, config=config))
+        llm = self._start(run_manager, p)
+        try:
+            answer = run_sync(self.orchestrator, self._answer(p))
+        except BaseException as exc:
+            llm.end(exc)
+            raise
+        llm.end(answer)
+        return self._shape(answer)
 
-    async def _ainvoke(self, value: Any, run_manager: Any, config: RunnableConfig) -> Any:
-        question = question_of(value)
-        docs = await self.retriever.ainvoke(question, config=config)
-        return self._shape(await self._run_async(self._answer(question, docs)))
+    async def _ainvoke(self, value: Any, run_manager: AsyncCallbackManagerForChainRun,
+                       config: RunnableConfig) -> Any:
+        parsed = parse_input(value)
+        p = self._prepare(parsed, await self.retriever.ainvoke(parsed.query, config=config))
+        llm = await self._astart(run_manager, p)
+        try:
+            answer = await run_async(self.orchestrator, self._answer(p))
+        except BaseException as exc:
+            await llm.aend(exc)
+            raise
+        await llm.aend(answer)
+        return self._shape(answer)
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         return self._call_with_config(self._invoke, input, config, **kwargs)
@@ -171,43 +193,176 @@ class SpanRAGRunnable(RunnableSerializable[Any, Any]):
                       **kwargs: Any) -> Any:
         return await self._acall_with_config(self._ainvoke, input, config, **kwargs)
 
+    # -- stream: tokens as the engine produces them ---------------------------------------------
+
+    def _chunks(self, text: str) -> list[Any]:
+        if self.output == "text":
+            return [text]
+        return [AIMessageChunk(content=text)] if self.output == "message" else []
+
+    def _last(self, answer: Answer, streamed: bool) -> list[Any]:
+        if self.output == "answer":
+            return [answer]
+        if self.output == "message":
+            return [final_chunk(answer, self._model_name)]
+        return [] if streamed else [answer.text]  # an empty answer is still one chunk
+
+    def _transform(self, inputs: Iterator[Any], run_manager: CallbackManagerForChainRun,
+                   config: RunnableConfig) -> Iterator[Any]:
+        parsed = parse_input(_only(inputs))
+        p = self._prepare(parsed, self.retriever.invoke(parsed.query, config=config))
+        llm = self._start(run_manager, p)
+        streamed = False
+        answer: Answer | None = None
+        try:
+            for item in iterate_sync(self.orchestrator, self._stream(p)):
+                if isinstance(item, str):
+                    llm.token(item)
+                    streamed = True
+                    yield from self._chunks(item)
+                else:
+                    answer = item
+        except BaseException as exc:
+            llm.end(exc)
+            raise
+        assert answer is not None, "a stream ends with its Answer"
+        llm.end(answer)
+        yield from self._last(answer, streamed)
+
+    async def _atransform(self, inputs: AsyncIterator[Any],
+                          run_manager: AsyncCallbackManagerForChainRun,
+                          config: RunnableConfig) -> AsyncIterator[Any]:
+        parsed = parse_input(await _aonly(inputs))
+        p = self._prepare(parsed, await self.retriever.ainvoke(parsed.query, config=config))
+        llm = await self._astart(run_manager, p)
+        streamed = False
+        answer: Answer | None = None
+        try:
+            async for item in iterate_async(self.orchestrator, self._stream(p)):
+                if isinstance(item, str):
+                    await llm.atoken(item)
+                    streamed = True
+                    for chunk in self._chunks(item):
+                        yield chunk
+                else:
+                    answer = item
+        except BaseException as exc:
+            await llm.aend(exc)
+            raise
+        assert answer is not None, "a stream ends with its Answer"
+        await llm.aend(answer)
+        for chunk in self._last(answer, streamed):
+            yield chunk
+
+    def stream(self, input: Any, config: RunnableConfig | None = None,
+               **kwargs: Any) -> Iterator[Any]:
+        yield from self._transform_stream_with_config(iter([input]), self._transform, config,
+                                                      **kwargs)
+
+    async def astream(self, input: Any, config: RunnableConfig | None = None,
+                      **kwargs: Any) -> AsyncIterator[Any]:
+        async for chunk in self._atransform_stream_with_config(_aiter([input]),
+                                                               self._atransform, config,
+                                                               **kwargs):
+            yield chunk
+
     # -- batch: one answer_many for the whole batch ----------------------------------------------
 
-    def _retrieval_input(self, inputs: list[Any]) -> tuple[list[str], list[Any]]:
-        questions: list[str] = []
-        docs: list[Any] = []
+    def _parse_all(self, inputs: list[Any]) -> list[ChainInput | Exception]:
+        parsed: list[ChainInput | Exception] = []
         for value in inputs:
             try:
-                questions.append(question_of(value))
-                docs.append(None)
+                parsed.append(parse_input(value))
             except BadInputError as exc:
-                questions.append("")
-                docs.append(exc)
-        return questions, docs
+                parsed.append(exc)
+        return parsed
 
-    def _batch(self, inputs: list[Any], run_manager: list[Any],
+    def _prepare_all(self, parsed: list[ChainInput | Exception], found: list[Any]
+                     ) -> list[_Prepared | Exception]:
+        it = iter(found)
+        out: list[_Prepared | Exception] = []
+        for item in parsed:
+            if isinstance(item, Exception):
+                out.append(item)
+                continue
+            docs = next(it)
+            out.append(docs if isinstance(docs, Exception) else self._prepare(item, docs))
+        return out
+
+    async def _answer_all(self, todo: list[_Prepared], limit: int | None) -> list[Any]:
+        """One ``answer_many`` for all, or at most ``limit`` questions in flight at once."""
+        kwargs = {"mode": self.mode, **self._kwargs}
+        items = [Question(question=p.parsed.question, documents=p.spans, system=p.system)
+                 for p in todo]
+        if limit is None:
+            return await self._aio.answer_many(items, **kwargs)
+        gate = asyncio.Semaphore(limit)
+
+        async def one(item: Question) -> Any:
+            async with gate:
+                return (await self._aio.answer_many([item], **kwargs))[0]
+
+        return list(await asyncio.gather(*(one(item) for item in items)))
+
+    @staticmethod
+    def _merge(prepared: list[_Prepared | Exception], answers: list[Any]) -> list[Any]:
+        """One result per input, in order; errors name their position in this batch."""
+        it = iter(answers)
+        results: list[Any] = []
+        for i, p in enumerate(prepared):
+            result = next(it) if isinstance(p, _Prepared) else p
+            if isinstance(result, MinipicError):
+                result.question_index = i
+            results.append(result)
+        return results
+
+    @staticmethod
+    def _limit(config: list[RunnableConfig]) -> int | None:
+        return config[0].get("max_concurrency") if config else None
+
+    def _batch(self, inputs: list[Any], run_manager: list[CallbackManagerForChainRun],
                config: list[RunnableConfig], **kwargs: Any) -> list[Any]:
-        questions, docs = self._retrieval_input(inputs)
-        todo = [i for i, d in enumerate(docs) if d is None]
-        found = self.retriever.batch([questions[i] for i in todo],
-                                     [config[i] for i in todo], return_exceptions=True)
-        for i, d in zip(todo, found, strict=True):
-            docs[i] = d
-        items, results = self._questions(inputs, docs)
-        answers = self._run_sync(self._answer_many(items)) if items else []
-        return [self._shape(r) for r in self._merge(results, answers)]
+        parsed = self._parse_all(inputs)
+        ok = [p for p in parsed if isinstance(p, ChainInput)]
+        found = self.retriever.batch([p.query for p in ok],
+                                     [c for c, p in zip(config, parsed, strict=True)
+                                      if isinstance(p, ChainInput)], return_exceptions=True)
+        prepared = self._prepare_all(parsed, found)
+        todo = [(i, p) for i, p in enumerate(prepared) if isinstance(p, _Prepared)]
+        runs = [self._start(run_manager[i], p) for i, p in todo]
+        try:
+            answers = (run_sync(self.orchestrator, self._answer_all([p for _, p in todo],
+                                                                    self._limit(config)))
+                       if todo else [])
+        except BaseException as exc:
+            for run in runs:
+                run.end(exc)
+            raise
+        for run, answer in zip(runs, answers, strict=True):
+            run.end(answer)
+        return [self._shape(r) for r in self._merge(prepared, answers)]
 
-    async def _abatch(self, inputs: list[Any], run_manager: list[Any],
+    async def _abatch(self, inputs: list[Any], run_manager: list[AsyncCallbackManagerForChainRun],
                       config: list[RunnableConfig], **kwargs: Any) -> list[Any]:
-        questions, docs = self._retrieval_input(inputs)
-        todo = [i for i, d in enumerate(docs) if d is None]
-        found = await self.retriever.abatch([questions[i] for i in todo],
-                                            [config[i] for i in todo], return_exceptions=True)
-        for i, d in zip(todo, found, strict=True):
-            docs[i] = d
-        items, results = self._questions(inputs, docs)
-        answers = await self._run_async(self._answer_many(items)) if items else []
-        return [self._shape(r) for r in self._merge(results, answers)]
+        parsed = self._parse_all(inputs)
+        ok = [p for p in parsed if isinstance(p, ChainInput)]
+        found = await self.retriever.abatch([p.query for p in ok],
+                                            [c for c, p in zip(config, parsed, strict=True)
+                                             if isinstance(p, ChainInput)],
+                                            return_exceptions=True)
+        prepared = self._prepare_all(parsed, found)
+        todo = [(i, p) for i, p in enumerate(prepared) if isinstance(p, _Prepared)]
+        runs = [await self._astart(run_manager[i], p) for i, p in todo]
+        try:
+            answers = (await run_async(self.orchestrator, self._answer_all(
+                [p for _, p in todo], self._limit(config))) if todo else [])
+        except BaseException as exc:
+            for run in runs:
+                await run.aend(exc)
+            raise
+        for run, answer in zip(runs, answers, strict=True):
+            await run.aend(answer)
+        return [self._shape(r) for r in self._merge(prepared, answers)]
 
     def batch(self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None = None,
               *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
@@ -219,3 +374,20 @@ class SpanRAGRunnable(RunnableSerializable[Any, Any]):
                      *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
         return await self._abatch_with_config(self._abatch, inputs, config,
                                               return_exceptions=return_exceptions, **kwargs)
+
+
+def _only(inputs: Iterator[Any]) -> Any:
+    """The input of a stream: ``stream`` passes exactly one (``transform`` gathers first)."""
+    items = list(inputs)
+    if len(items) != 1:
+        raise BadInputError(f"stream takes one input, got {len(items)}")
+    return items[0]
+
+
+async def _aonly(inputs: AsyncIterator[Any]) -> Any:
+    return _only(iter([item async for item in inputs]))
+
+
+async def _aiter(items: list[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item

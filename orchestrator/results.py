@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from prompt_builder import BudgetReport, Mode
+from prompt_builder import BudgetReport, Mode, SkippedSpan
 
 
 class SpanStatus(BaseModel):
@@ -54,6 +54,9 @@ class Answer(BaseModel):
     attempts: int  # final-prompt submissions (more than 1 after a cold span or a retry)
     finish_reason: str | None = None
     budget: BudgetReport | None = None
+    # documents left out because they have no content (empty, whitespace only, or text the
+    # tokenizer drops): a retriever's empty hit is noted here instead of failing the question
+    skipped_spans: list[SkippedSpan] = []
 
     @property
     def cold_spans(self) -> list[str]:

@@ -10,9 +10,10 @@ names the first span that missed; that span and everything after it is marked co
 Keys are ``(cache_salt, prefill_key)``: a span warmed under one salt is invisible under another
 (vLLM mixes the salt into the first block's hash), so it must be warmed per salt.
 
-``epoch`` counts resets. A request remembers the epoch it started in; on connection loss it
-resets the registry only if no one else already did for the same loss (``reset(if_epoch=...)``),
-so thirty requests failing together cause one reset, not thirty.
+``epoch`` counts resets. A prefill remembers the epoch it started in and warms nothing once the
+registry was reset after it started. The scheduler resets once per outage (when its circuit
+opens on a lost connection, ``orchestrator.circuit``), so thirty requests failing together cause
+one reset, not thirty; ``reset(if_epoch=...)`` lets other callers do the same.
 """
 
 from __future__ import annotations
@@ -94,10 +95,12 @@ def _expected_end(span: SpanInfo, expected: int) -> int | None:
 def check_cache(prompt: BuiltPrompt, cached_tokens: int) -> CacheCheck:
     """Which of the prompt's warmed spans the engine actually reused.
 
-    vLLM's lookup is consecutive from the first block, so ``cached_tokens`` is a single frontier:
-    spans ending at or before it were reused; the span holding the first missing block was cold,
-    and spans after it were not reached (they may be warm, but this request did not use them, and
-    re-warming a warm span costs one block of recompute) — all of those are re-warm candidates.
+    minipic's engine reuses every cached block, holes allowed, so ``cached_tokens`` is a count,
+    not a frontier: a shortfall says *that* some span was cold, not which. Spans are attributed
+    in prompt order (the first ``cached_tokens`` worth counted as hits), which is exact when the
+    cold spans are the last ones and otherwise names a warm span as a re-warm candidate (a
+    re-warm of a warm span costs one block of recompute). Correctness never depends on it: the
+    engine computed the cold spans in isolation inside the final.
     """
     expected = prompt.expected_cached_tokens
     hits: dict[int, bool | None] = {}

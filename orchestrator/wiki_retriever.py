@@ -1,7 +1,9 @@
 """``WikiRetriever``: a LangChain retriever over minipic's offline Wikipedia corpus (BM25).
 
 Thin on purpose: the whole retriever contract is ``_get_relevant_documents`` and its async twin;
-``invoke``, ``batch``, callbacks and tracing come from ``BaseRetriever``. Each passage becomes a
+``invoke``, ``batch``, callbacks and tracing come from ``BaseRetriever``. ``k`` may also be given
+per call (``retriever.invoke(query, k=5)``): LangChain passes keyword arguments of ``invoke``
+through to ``_get_relevant_documents``. Each passage becomes a
 ``Document`` whose ``metadata["span_id"]`` is stable (``wiki:<title>``), so the same passage is
 the same cache span in every prompt that retrieves it.
 """
@@ -40,17 +42,22 @@ class WikiRetriever(BaseRetriever):
     k: int = Field(3, ge=1)
     corpus: WikiCorpus | None = Field(None, exclude=True)
 
-    def _search(self, query: str) -> list[Document]:
+    def _search(self, query: str, k: int | None = None) -> list[Document]:
+        if k is None:
+            k = self.k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
         corpus = self.corpus if self.corpus is not None else default_corpus()
-        return [passage_document(p) for p in corpus.search(query, self.k)]
+        return [passage_document(p) for p in corpus.search(query, k)]
 
     def _get_relevant_documents(
-        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None
     ) -> list[Document]:
-        return self._search(query)
+        return self._search(query, k)
 
     async def _aget_relevant_documents(
-        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
+        k: int | None = None,
     ) -> list[Document]:
         # BM25 is CPU work: off the event loop, so span prefills keep flowing meanwhile
-        return await asyncio.to_thread(self._search, query)
+        return await asyncio.to_thread(self._search, query, k)

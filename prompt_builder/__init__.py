@@ -37,7 +37,7 @@ from prompt_builder.errors import (
 )
 from prompt_builder.layout import Segment
 from prompt_builder.modes import Mode
-from prompt_builder.result import BuiltPrompt, SpanInfo
+from prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
 from prompt_builder.spans import PreparedSpan, Span, content_id
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "PromptTooLongError",
     "ReservedTokenError",
     "Segment",
+    "SkippedSpan",
     "Span",
     "SpanConfig",
     "SpanInfo",

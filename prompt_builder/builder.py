@@ -53,7 +53,7 @@ from prompt_builder.layout import (
     reusable_tokens,
 )
 from prompt_builder.modes import Layout, Mode, PromptParts, coerce_mode, make_layout
-from prompt_builder.result import BuiltPrompt, SpanInfo
+from prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
 from prompt_builder.spans import (
     PreparedSpan,
     Span,
@@ -268,11 +268,43 @@ class PromptBuilder:
         else:
             ids = self.encoder.check_user_ids(span.token_ids or (), what)
         require_tokens(ids, index, span.id)
+        return self._prepared(ids, index, span)
+
+    def _prepared(self, ids: tuple[int, ...], index: int, span: Span) -> PreparedSpan:
         cid = content_id(ids, self.span_config)
         return PreparedSpan(
             index=index, token_ids=ids, span_id=span.id or cid, content_id=cid,
             user_id=span.id, score=span.score,
         )
+
+    def _prepare_or_skip(self, span: Span, index: int) -> PreparedSpan | SkippedSpan:
+        """A text span with no content is skipped (``SkippedSpan`` says why); pre-tokenised ids
+        must not be empty (``EmptySpanError``: an empty id list is the caller's own bug)."""
+        if span.text is None:
+            return self._prepare(span, index)
+        what = f"span {index}" + (f" ({span.id!r})" if span.id else "")
+        text = span.text
+        ids = tuple(self.encoder.encode_user(text, what))  # checks the text first
+        if not text.strip():
+            return SkippedSpan(index=index, span_id=span.id,
+                               reason="empty" if not text else "whitespace only")
+        if not ids:
+            return SkippedSpan(index=index, span_id=span.id, reason="no tokens")
+        return self._prepared(ids, index, span)
+
+    def _question_ids(self, question: object) -> list[int]:
+        """The question's own ids. Blank, or dropped entirely by the tokenizer, it is an error:
+        unlike a document it cannot be left out (one rule for both: no content, no use)."""
+        if not isinstance(question, str):
+            raise InvalidInputError(f"question must be a str, got {type(question).__name__}")
+        ids = self.encoder.encode_user(question, "question")
+        if not question.strip():
+            raise InvalidInputError("question is empty" + (" (whitespace only)" if question
+                                                           else ""))
+        if not ids:
+            raise InvalidInputError("question is empty: the tokenizer drops every character "
+                                    "of it")
+        return ids
 
     def build(
         self,
@@ -298,10 +330,7 @@ class PromptBuilder:
         """
         layout = make_layout(coerce_mode(mode), self.span_config, recompute_tokens)
         policy = coerce_policy(budget)
-        if not isinstance(question, str):
-            raise InvalidInputError(f"question must be a str, got {type(question).__name__}")
-        if not question:
-            raise InvalidInputError("question is empty")
+        question_own = self._question_ids(question)
         if system is not None and not isinstance(system, str):
             raise InvalidInputError(f"system must be a str or None, got {type(system).__name__}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
@@ -312,13 +341,15 @@ class PromptBuilder:
         ):
             raise InvalidInputError(f"max_model_len must be a positive int, got {limit!r}")
 
-        prepared = [self._prepare(s, i) for i, s in enumerate(coerce_spans(spans))]
+        outcome = [self._prepare_or_skip(s, i) for i, s in enumerate(coerce_spans(spans))]
+        prepared = [p for p in outcome if isinstance(p, PreparedSpan)]
+        skipped = [p for p in outcome if isinstance(p, SkippedSpan)]
         check_distinct_ids(prepared)
         chat = self.chat_template if chat_template is None else bool(chat_template)
         frame = self._frame(system, chat)
         question_ids = [
             *frame.before_question,
-            *self.encoder.encode_user(question, "question"),
+            *question_own,
             *frame.after_question,
         ]
         report = None
@@ -337,7 +368,8 @@ class PromptBuilder:
             raise PromptTooLongError(
                 f"prompt of {len(tokens)} tokens + max_tokens {max_tokens} exceeds {limit}"
             )
-        return self._assemble(layout.mode, tokens, segments, prepared, report)
+        built = self._assemble(layout.mode, tokens, segments, prepared, report)
+        return built.model_copy(update={"skipped_spans": skipped}) if skipped else built
 
     def _fit(
         self,
@@ -375,10 +407,12 @@ class PromptBuilder:
         alloc = allocate(sizes, room, layout.span_cost, policy, scores)
         kept: list[PreparedSpan] = []
         truncated: list[TruncatedSpan] = []
-        for span in spans:
-            if span.index not in alloc.kept:
+        # alloc is keyed by position in ``spans``, which differs from the caller's index once a
+        # span was skipped
+        for pos, span in enumerate(spans):
+            if pos not in alloc.kept:
                 continue
-            keep = alloc.kept[span.index]
+            keep = alloc.kept[pos]
             if keep < len(span.token_ids):
                 short = span.truncated(keep, self.span_config)
                 truncated.append(TruncatedSpan(
@@ -389,7 +423,7 @@ class PromptBuilder:
             kept.append(span)
         dropped = [
             DroppedSpan(
-                index=i, span_id=spans[i].span_id, tokens=sizes[i],
+                index=spans[i].index, span_id=spans[i].span_id, tokens=sizes[i],
                 reason="longer than the room max_model_len leaves"
                 if layout.span_cost(sizes[i]) > room else "no room left",
             )
@@ -439,7 +473,8 @@ class PromptBuilder:
         return BuiltPrompt(
             mode=mode, span_config=self.span_config, prompt_token_ids=tokens,
             span_prefills=prefills, prefill_keys=keys, segments=segments, spans=infos,
-            expected_cached_tokens=expected_cached_tokens(segments, len(tokens), bs),
+            expected_cached_tokens=reusable_tokens(segments, len(tokens), bs),
+            leading_cached_tokens=expected_cached_tokens(segments, len(tokens), bs),
             reusable_tokens=reusable_tokens(segments, len(tokens), bs),
             budget=report,
         )

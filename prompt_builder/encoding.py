@@ -28,6 +28,26 @@ from prompt_builder.errors import InvalidInputError, ReservedTokenError, SpanTok
 MARKER_NAMES = ("ssep_id", "pdep_id", "pad_id")
 
 
+def check_text(text: object, what: str) -> str:
+    """``text`` if it is a str the tokenizer can take, else ``InvalidInputError``.
+
+    Why: a Python str may hold lone surrogates (``"\\ud800"``, e.g. from ``json.loads`` of a
+    broken escape or ``bytes.decode(errors="surrogateescape")``); it is not valid Unicode, and a
+    Hugging Face fast tokenizer raises a bare ``TypeError`` on it. Named here, it is bad input
+    of one question, not a crash of a whole batch.
+    """
+    if not isinstance(text, str):
+        raise InvalidInputError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"{what} is not valid Unicode: lone surrogate {text[exc.start]!r} at position "
+            f"{exc.start} (decode bytes with errors='replace' instead of 'surrogateescape')"
+        ) from None
+    return text
+
+
 class PromptEncoder:
     """A Hugging Face tokenizer, split into trusted (template) and untrusted (user) encoding."""
 
@@ -99,8 +119,7 @@ class PromptEncoder:
     def encode_user(self, text: str, what: str = "text") -> list[int]:
         """Untrusted text: never contains a reserved id (raises ``ReservedTokenError`` if the
         tokenizer cannot encode it otherwise)."""
-        if not isinstance(text, str):
-            raise InvalidInputError(f"{what} must be a str, got {type(text).__name__}")
+        check_text(text, what)
         if not text:
             return []
         return list(self._encode_user_cached(text))

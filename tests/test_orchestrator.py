@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from counting_backend import CountingBackend
 
+from engine_ext.rotated_pool import DEFAULT_SHARE
 from orchestrator import (
     Answer,
     BadInputError,
@@ -143,11 +144,25 @@ def test_skip_warm_on_and_off(tiny_orchestrator) -> None:
 def test_prefix_cache_reset_is_detected_and_spans_rewarmed(tiny_orchestrator) -> None:
     orc, s = tiny_orchestrator, salt()
     docs = [doc("Reset1"), doc("Reset2")]
-    orc.answer("q?", docs, cache_salt=s, max_tokens=2)
+    first = orc.answer("q?", docs, cache_salt=s, max_tokens=2)
     run(orc, orc.aio.backend.reset_cache())  # AsyncLLM.reset_prefix_cache(); registry unaware
     with orc.record_events() as log:
-        again = orc.answer("q?", docs, cache_salt=s, max_tokens=2)
-    assert "cold" in [e.kind for e in log]
+        reported = orc.answer("q?", docs, cache_salt=s, max_tokens=2)
+    # default on_cold="report": one final; the engine computed the cold spans in isolation, so
+    # the answer is the warm one, and the spans are cached now
+    assert "cold" in [e.kind for e in log] and reported.attempts == 1 and not reported.cache_ok
+    assert reported.token_ids == first.token_ids
+    # the registry now knows those spans were cold: the next answer warms them itself
+    warm = orc.answer("q?", docs, cache_salt=s, max_tokens=2)
+    assert warm.cache_ok and warm.attempts == 1 and warm.token_ids == first.token_ids
+    run(orc, orc.aio.backend.reset_cache())
+    orc.configure(on_cold="retry")
+    try:
+        with orc.record_events() as log:
+            again = orc.answer("q?", docs, cache_salt=s, max_tokens=2)
+    finally:
+        orc.configure(on_cold="report")
+    assert "cold" in [e.kind for e in log] and again.token_ids == first.token_ids
     assert again.attempts == 2 and again.cache_ok and again.prefills_sent == 3
     orc.reset_cache()  # engine and registry together: no surprise, no second attempt
     assert len(orc.registry) == 0
@@ -215,7 +230,9 @@ def test_kv_memory_in_use_is_reported(tiny_orchestrator) -> None:
     monitor = backend.kv_usage
     space = int(float(backend.settings.plugin_env()["VLLM_CPU_KVCACHE_SPACE"]) * (1 << 30))
     assert monitor.position_free and monitor.block_bytes > 0
-    assert monitor.blocks_total == space // monitor.block_bytes
+    # the rotated-block pool takes its share of the configured space; the KV blocks the rest
+    pool_budget = int(space * DEFAULT_SHARE)
+    assert monitor.blocks_total == (space - pool_budget) // monitor.block_bytes
     monitor.reset()
     docs = [doc(f"Kv{i}", words=60) for i in range(3)]
     answers = tiny_orchestrator.answer_many(
@@ -227,3 +244,7 @@ def test_kv_memory_in_use_is_reported(tiny_orchestrator) -> None:
     assert usage.samples > 0 and largest <= usage.peak_blocks <= usage.blocks_total
     assert 0 < usage.mean_blocks <= usage.peak_blocks
     assert usage.peak_mib == usage.peak_blocks * usage.block_bytes / (1 << 20)
+    # the pool (spans read at new offsets) is reported, and held inside its budget
+    pool = run(tiny_orchestrator, backend.rotated_pool_stats())
+    assert pool["budget_bytes"] == pool_budget and pool["pools"] >= 1
+    assert 0 < pool["peak_bytes"] <= pool["cap_bytes"] <= pool_budget

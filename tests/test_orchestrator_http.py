@@ -2,8 +2,8 @@
 
 ``smol_server`` (conftest: default model, plugin on) serves the answer, de-dup and ISPS tests.
 Cache resets and the kill-and-restart test get their own tiny-model server, started with
-``VLLM_SERVER_DEV_MODE=1`` (vLLM serves ``POST /reset_prefix_cache`` only then; it boots in the
-background while the other tests run) and killed with SIGKILL mid-batch, then started again on
+``--enable-cache-reset`` (``POST /minipic/reset_prefix_cache``; it boots in the background while
+the other tests run) and killed with SIGKILL mid-batch, then started again on
 the same port.
 """
 
@@ -103,9 +103,10 @@ def test_span_config_mismatch_is_refused(smol_server: ServerProcess) -> None:
         Orchestrator(backend, wrong_blocks)
 
 
-def test_reset_needs_dev_mode(smol: SyncOrchestrator) -> None:
-    with pytest.raises(EngineError, match="VLLM_SERVER_DEV_MODE"):
+def test_reset_needs_the_operators_flag(smol: SyncOrchestrator) -> None:
+    with pytest.raises(EngineError, match="--enable-cache-reset") as err:
         smol.reset_cache()
+    assert err.value.status_code == 403
 
 
 def test_server_gone_after_connect(smol_server: ServerProcess) -> None:
@@ -136,7 +137,8 @@ class BackgroundBoot:
     exists, then removed, before any other server of the session can be spawned."""
 
     def __init__(self) -> None:
-        self.server = ServerProcess("--model", "tiny-llama", "--max-model-len", "2048")
+        self.server = ServerProcess("--model", "tiny-llama", "--max-model-len", "2048",
+                                    "--enable-cache-reset")
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._boot, daemon=True)
         with pytest.MonkeyPatch.context() as mp:
@@ -176,6 +178,7 @@ def test_prefix_cache_reset_over_http(dev_server: ServerProcess) -> None:
         docs = [doc("HttpReset1"), doc("HttpReset2")]
         orc.answer("q?", docs, max_tokens=2)
         orc.submit(orc.aio.backend.reset_cache()).result()  # behind the registry's back
+        orc.configure(on_cold="retry")  # re-warm and re-send (the default only reports)
         with orc.record_events() as log:
             again = orc.answer("q?", docs, max_tokens=2)
         assert "cold" in [e.kind for e in log] and again.attempts == 2 and again.cache_ok

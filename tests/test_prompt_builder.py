@@ -13,12 +13,10 @@ import hashlib
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken
 
-from minipic.span_config import SpanConfig
-from minipic.special_tokens import FAMILY_TOKENS, detect_family
 from prompt_builder import (
     BlockSizeError,
     ChatTemplateError,
@@ -34,6 +32,8 @@ from prompt_builder import (
     Span,
     SpanTokenError,
 )
+from span_contract.span_config import SpanConfig
+from span_contract.special_tokens import FAMILY_TOKENS, detect_family
 
 pytestmark = pytest.mark.fast
 
@@ -51,7 +51,7 @@ PIC_MODES = [Mode.BLOCK_ATTENTION, Mode.BOUNDARY_RECOMPUTE]
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from minipic.models import ModelUnavailableError, default_model_dir
+    from span_contract.models import ModelUnavailableError, default_model_dir
 
     try:
         return default_model_dir(fetch=False)
@@ -92,7 +92,7 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="module")
 def builders(tokenizer):
     """One builder per (block size, chat template) — cheap, they share the tokenizer."""
-    from minipic.special_tokens import default_span_config
+    from span_contract.special_tokens import default_span_config
 
     return {
         (bs, chat): PromptBuilder(tokenizer, default_span_config(tokenizer, bs),
@@ -180,8 +180,10 @@ def representable(ch: str) -> bool:
 
 # arbitrary unicode (the security properties must hold for it) ...
 raw_texts = st.text(min_size=1, max_size=60)
-# ... and unicode the tokenizer can represent (for exact round-trips)
-texts = st.text(st.characters(codec="utf-8").filter(representable), min_size=1, max_size=60)
+# ... and unicode the tokenizer can represent (for exact round-trips; not blank: a blank span is
+# skipped, see test_spans_without_content_are_skipped_with_a_note)
+texts = st.text(st.characters(codec="utf-8").filter(representable), min_size=1,
+                max_size=60).filter(str.strip)
 hostile_texts = st.lists(
     st.one_of(texts.filter(lambda t: len(t) < 12), st.sampled_from(SPECIAL_STRINGS)),
     min_size=1, max_size=8,
@@ -226,14 +228,22 @@ def assert_layout(built, builder):
     for region_ids in built.span_prefills:
         assert any(ids[i : i + len(region_ids)] == region_ids for i in range(0, len(ids), bs))
     stock, holes = simulate_cache(ids, built.span_prefills, cfg)
-    assert built.expected_cached_tokens == stock
-    assert built.reusable_tokens == holes
+    assert built.leading_cached_tokens == stock
+    assert built.expected_cached_tokens == built.reusable_tokens == holes
+    assert built.leading_cached_tokens <= built.expected_cached_tokens
     assert built.expected_cached_tokens <= max(len(ids) - 1, 0) // bs * bs
     # span infos agree with segments
     for info in built.spans:
         if info.prefill_index is not None:
             assert built.prefill_keys[info.prefill_index] == info.prefill_key
     assert len(set(built.prefill_keys)) == len(built.prefill_keys)
+
+
+def no_content(builder, text: str) -> str | None:
+    """Why a text span is skipped (None: it is not): the rule every builder applies."""
+    if not text.strip():
+        return "empty" if not text else "whitespace only"
+    return None if builder.encode(text) else "no tokens"
 
 
 @SETTINGS
@@ -245,10 +255,23 @@ def assert_layout(built, builder):
     spans=st.lists(st.one_of(any_texts, raw_texts), max_size=4),
     question=st.one_of(any_texts, raw_texts),
 )
+# found by this test (issue 14): SmolLM2's tokenizer drops "\x06", so the span has no tokens
+@example(mode=Mode.BLOCK_ATTENTION, bs=4, chat=False, system=None, spans=["\x06"], question="q")
+@example(mode=Mode.PREFIX, bs=8, chat=True, system=" ", spans=[" \n", "doc", ""], question="q")
+@example(mode=Mode.BLOCK_ATTENTION, bs=4, chat=True, system=None, spans=["d"], question="\x06")
 def test_layout_invariants_hold_for_any_input(builders, mode, bs, chat, system, spans, question):
     builder = pick_builder(builders, bs, chat)
+    if no_content(builder, question):  # a question cannot be left out: it is an error
+        with pytest.raises(InvalidInputError, match="question is empty"):
+            builder.build(system=system, spans=spans, question=question, mode=mode)
+        return
     built = builder.build(system=system, spans=spans, question=question, mode=mode)
     assert_layout(built, builder)
+    skipped = {(s.index, s.reason) for s in built.skipped_spans}
+    assert skipped == {(i, no_content(builder, t)) for i, t in enumerate(spans)
+                       if no_content(builder, t)}
+    assert {s.index for s in built.spans if s.kind == "span"} == (
+        set(range(len(spans))) - {i for i, _ in skipped})
     kinds = [s.kind for s in built.segments if s.kind != "pad"]
     assert kinds[-1] == "question"
     if mode is Mode.PREFIX:
@@ -328,9 +351,10 @@ def test_boundary_recompute_layout(builders):
     assert heads[0].length == 16  # PDEP + block_size - 1 tokens: the opening fills one block
     assert all(s.reuse == "none" for s in heads) and bodies[0].reuse == "span"
     system_end = built.spans[0].end
-    # stock vLLM stops at the first PDEP-led head; the body blocks are cached all the same
-    assert built.expected_cached_tokens == system_end
-    assert built.reusable_tokens == system_end + built.spans[1].reused_block_count * 16
+    # a prefix-only lookup stops at the first PDEP-led head; minipic's engine takes the bodies
+    assert built.leading_cached_tokens == system_end
+    assert built.expected_cached_tokens == built.reusable_tokens == (
+        system_end + built.spans[1].reused_block_count * 16)
     assert built.spans[2].prefill_index is None  # "Tiny." is all head: nothing to warm
     assert built.span_prefills[1][0] == builder.span_config.ssep_id
 
@@ -561,7 +585,12 @@ def test_pretokenised_special_ids_are_refused(builders):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"spans": [""]}, EmptySpanError, "span 0 is empty"),
+        ({"spans": [Span(token_ids=[])]}, EmptySpanError, "span 0 is empty"),
+        ({"spans": ["ok\ud800"]}, InvalidInputError, "span 0 is not valid Unicode"),
+        ({"question": "\udfff?"}, InvalidInputError, "question is not valid Unicode"),
+        ({"system": "\ud800"}, InvalidInputError, "system is not valid Unicode"),
+        ({"question": " \n\t"}, InvalidInputError, "question is empty .whitespace only"),
+        ({"question": "\x06"}, InvalidInputError, "tokenizer drops every character"),
         ({"spans": ["ok", Span(token_ids=[], id="d")]}, EmptySpanError, "span 1 .'d'. is empty"),
         ({"spans": [123]}, InvalidInputError, "span 0: expected str"),
         ({"spans": [b"bytes"]}, InvalidInputError, "got bytes"),
@@ -582,6 +611,25 @@ def test_bad_input_raises_a_named_value_error(builders, kwargs, error, match):
     with pytest.raises(error, match=match) as info:
         pick_builder(builders, 8, False).build(**args)
     assert isinstance(info.value, PromptBuildError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("budget", ["error", "drop"])
+def test_spans_without_content_are_skipped_with_a_note(builders, budget):
+    """Issue 14 items 6 and 13: a span with no content (empty, whitespace only, or dropped by the
+    tokenizer) is left out and named in ``skipped_spans``; the other spans keep their indices."""
+    builder = pick_builder(builders, 4, False)
+    spans = ["", "first", " \n\t", {"text": "\x06", "id": "ctrl"}, "second"]
+    built = builder.build(spans=spans, question="q?", budget=budget, max_model_len=4096)
+    assert [(s.index, s.span_id, s.reason) for s in built.skipped_spans] == [
+        (0, None, "empty"), (2, None, "whitespace only"), (3, "ctrl", "no tokens")]
+    assert [s.index for s in built.spans if s.kind == "span"] == [1, 4]
+    assert built.budget.kept == [1, 4]
+    same = builder.build(spans=["first", "second"], question="q?", max_model_len=4096)
+    assert built.prompt_token_ids == same.prompt_token_ids and not same.skipped_spans
+    # a budget drop after a skip names the caller's index, not the position among kept spans
+    tight = builder.build(spans=[" ", "a " * 40, "b " * 400], question="q?", budget="drop",
+                          max_model_len=200)
+    assert [d.index for d in tight.budget.dropped] == [2] and tight.budget.kept == [1]
 
 
 def test_block_size_checks(model_dir, builders):

@@ -1,0 +1,56 @@
+"""The examples and the demo print their own output on stdout, and nothing of vLLM's.
+
+vLLM logs at INFO to stdout by default, from the script's process and from each engine process;
+``examples/agent_tool_memory.py`` used to interleave dozens of those lines with its own. Each
+test runs the real script in a subprocess on the tiny model and reads its stdout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[1]
+# vLLM's log format: "(EngineCore pid=123) INFO 12-01 11:20:59 [core.py:91] ..."
+VLLM_LOG = re.compile(r"\((\w|-)+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR) ")
+# ... and its progress bars (tqdm, on stderr: fine there, not on stdout)
+VLLM_LINE = re.compile(VLLM_LOG.pattern + "|Loading safetensors")
+
+
+def run(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    env.pop("VLLM_LOGGING_STREAM", None)
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def engine_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if VLLM_LINE.search(line)]
+
+
+def test_agent_example_stdout_is_its_own() -> None:
+    done = run(["examples/agent_tool_memory.py", "--model", "tiny-llama"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert engine_lines(done.stdout) == []
+    assert done.stdout.startswith("turn 1: ")
+    assert re.search(r"^cached \d+ of \d+ prompt tokens", done.stdout, re.M)
+    assert VLLM_LOG.search(done.stderr), "warnings still reach stderr"
+
+
+def test_demo_stdout_is_its_own(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    done = run(["-m", "minipic.cli", "demo", "--model", "tiny-llama", "--questions", "1",
+                "--max-tokens", "2", "--engine-log", str(log)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert engine_lines(done.stdout) == []
+    assert "summary" in done.stdout and "TTFT ratio" in done.stdout
+    assert not VLLM_LOG.search(done.stderr), "--engine-log: no engine log on the terminal"
+    assert "INFO" in log.read_text()  # ... they are in the file, INFO included
