@@ -32,8 +32,7 @@ ALLOW_VERSION_ENV = "MINIPIC_ALLOW_VLLM_VERSION"
 MARK = "_minipic_patches"  # frozenset of "feature:target" on each wrapper
 
 
-class EngineIntegrationError(RuntimeError):
-    """The installed vLLM does not match what a minipic engine feature was written against."""
+from span_contract.errors import EngineIntegrationError  # noqa: E402  (re-exported)
 
 
 @dataclass(frozen=True)

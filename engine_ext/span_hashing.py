@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from span_contract.errors import EngineIntegrationError
 from span_contract.span_config import SpanConfig, spans_opted_in
 
 PDEP_TAG = ("minipic", "pdep")
@@ -134,7 +135,7 @@ def _caller_vllm_config() -> Any | None:
     return None
 
 
-class HybridModelNotSupportedError(RuntimeError):
+class HybridModelNotSupportedError(EngineIntegrationError):
     pass
 
 

@@ -28,10 +28,12 @@ from orchestrator.errors import (
     CacheMismatchError,
     ConfigMismatchError,
     EngineError,
+    EngineIntegrationError,
     EngineUnreachableError,
     MinipicError,
     RequestTimeoutError,
     SpanTooLongError,
+    UnavailableError,
 )
 from orchestrator.results import Answer, SpanStatus
 from orchestrator.retry import RetryPolicy
@@ -64,6 +66,7 @@ __all__ = [
     "ConfigMismatchError",
     "EngineBackend",
     "EngineError",
+    "EngineIntegrationError",
     "EngineUnreachableError",
     "MinipicError",
     "Orchestrator",
@@ -77,6 +80,7 @@ __all__ = [
     "SpanStatus",
     "SpanTooLongError",
     "SyncOrchestrator",
+    "UnavailableError",
     "WarmthRegistry",
     "WikiRetriever",
     "documents_to_spans",

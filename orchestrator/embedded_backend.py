@@ -22,11 +22,11 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from minipic.engine_config import EngineSettings
-from minipic.span_config import SPANS_OPT_IN_KEY
 from orchestrator.backends import BackendInfo, Completion, Sampling
 from orchestrator.errors import BadInputError, EngineError, MinipicError
 from orchestrator.kv_usage import KVUsageMonitor
+from span_contract.engine_config import EngineSettings
+from span_contract.span_config import SPANS_OPT_IN_KEY
 
 
 @contextlib.contextmanager

@@ -29,7 +29,6 @@ from typing import Any
 
 import httpx
 
-from minipic.span_config import SPANS_OPT_IN_KEY, SpanConfig
 from orchestrator.backends import BackendInfo, Completion, Sampling
 from orchestrator.errors import (
     BadInputError,
@@ -38,6 +37,7 @@ from orchestrator.errors import (
     EngineUnreachableError,
     RequestTimeoutError,
 )
+from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
 
 CONFIG_PATH = "/minipic/config"
 RESET_PATH = "/reset_prefix_cache"  # vLLM's, development mode only
@@ -110,7 +110,7 @@ def fetch_server_info(
     root = card.get("root")
     if tokenizer is None:
         tokenizer = root if root and os.path.isdir(root) else None
-    from minipic.models import resolve_model
+    from span_contract.models import resolve_model
 
     info = BackendInfo(
         kind="http", model=card["id"], tokenizer=resolve_model(tokenizer),
@@ -175,7 +175,7 @@ class HttpBackend:
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
-            # Span semantics are opt-in per request (minipic.span_config.SPANS_OPT_IN_KEY).
+            # Span semantics are opt-in per request (span_contract.span_config.SPANS_OPT_IN_KEY).
             "vllm_xargs": {SPANS_OPT_IN_KEY: True},
         }
         if sampling.seed is not None:

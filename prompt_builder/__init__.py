@@ -4,7 +4,6 @@ Start with ``PromptBuilder.from_pretrained(model_dir)`` and ``builder.build(...)
 of the modes are documented in ``prompt_builder.modes``.
 """
 
-from minipic.span_config import SpanConfig
 from prompt_builder.budget import (
     BudgetPolicy,
     BudgetReport,
@@ -39,6 +38,7 @@ from prompt_builder.layout import Segment
 from prompt_builder.modes import Mode
 from prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
 from prompt_builder.spans import PreparedSpan, Span, content_id
+from span_contract.span_config import SpanConfig
 
 __all__ = [
     "BlockSizeError",

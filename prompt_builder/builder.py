@@ -1,8 +1,8 @@
 """``PromptBuilder``: system prompt + spans + question -> span-aware token ids and a layout.
 
-The builder is the client half of the contract in ``minipic.span_config``: it places SSEP / PDEP /
-PAD exactly where the engine's block hasher expects them (block starts) and reports, for the
-orchestrator, which prefill requests warm which blocks and how many prompt tokens the engine
+The builder is the client half of the contract in ``span_contract.span_config``: it places
+SSEP / PDEP / PAD exactly where the engine's block hasher expects them (block starts) and reports,
+for the orchestrator, which prefill requests warm which blocks and how many prompt tokens the engine
 should then find cached. Which tokens go where is decided by the mode (``prompt_builder.modes``).
 """
 
@@ -17,13 +17,6 @@ from typing import Any, Literal
 
 from pydantic import ValidationError as PydanticValidationError
 
-from minipic.span_config import SpanConfig
-from minipic.special_tokens import (
-    FAMILY_TOKENS,
-    NoSpanTokensError,
-    default_span_config,
-    family_span_config,
-)
 from prompt_builder.budget import (
     BudgetPolicy,
     BudgetReport,
@@ -62,6 +55,13 @@ from prompt_builder.spans import (
     content_id,
     prefill_key,
     require_tokens,
+)
+from span_contract.span_config import SpanConfig
+from span_contract.special_tokens import (
+    FAMILY_TOKENS,
+    NoSpanTokensError,
+    default_span_config,
+    family_span_config,
 )
 
 
@@ -148,13 +148,13 @@ class PromptBuilder:
         """Load the tokenizer of ``model_dir`` (None: minipic's default model) and pick markers.
 
         Marker ids default to the model family's unused special tokens
-        (``minipic.special_tokens``; ``family`` forces one); any id given explicitly overrides
+        (``span_contract.special_tokens``; ``family`` forces one); any id given explicitly overrides
         its default. ``max_model_len="auto"`` reads ``max_position_embeddings`` from the
         model's config.json (None: no limit).
         """
         from transformers import AutoTokenizer
 
-        from minipic.models import resolve_model
+        from span_contract.models import resolve_model
 
         _check_block_size(block_size, block_size_multiple)
         path = resolve_model(model_dir)

@@ -57,7 +57,7 @@ class TiktokenCounter:
 def as_token_counter(counter: Any) -> TokenCounter:
     """Wrap a tiktoken encoding (or its name), an HF tokenizer, or pass a TokenCounter through."""
     if isinstance(counter, str):
-        from minipic.tiktoken_offline import get_encoding
+        from span_contract.tiktoken_offline import get_encoding
 
         return TiktokenCounter(get_encoding(counter))
     if hasattr(counter, "encode_ordinary"):

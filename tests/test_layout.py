@@ -1,0 +1,85 @@
+"""The layout's arrows point down, and each package's public names are the README's.
+
+Layers (README "Public API"): the app ``minipic`` on top; ``orchestrator`` (client) and
+``engine_ext`` (vLLM plugin); ``prompt_builder``; the contract ``span_contract``; pure math
+``kernels`` and ``checkpoint_planner`` at the bottom. Every import statement of every module is
+read (function-level imports too), so a lazy import cannot hide an upward arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fast
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = ("minipic", "orchestrator", "engine_ext", "prompt_builder", "span_contract", "kernels",
+        "checkpoint_planner")
+# package -> the packages of ours it may import
+ALLOWED = {
+    "minipic": set(OURS),
+    "orchestrator": {"prompt_builder", "span_contract"},
+    "engine_ext": {"span_contract", "kernels", "checkpoint_planner"},
+    "prompt_builder": {"span_contract"},
+    "span_contract": {"checkpoint_planner"},
+    "kernels": set(),
+    "checkpoint_planner": set(),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found & set(OURS)
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_no_import_points_up(package: str) -> None:
+    bad = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        up = _imports(path) - ALLOWED[package] - {package}
+        if up:
+            bad[str(path.relative_to(ROOT))] = sorted(up)
+    assert not bad, f"{package} imports packages above it: {bad}"
+
+
+def _readme_api() -> dict[str, set[str]]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Public API", 1)[1].split("\n## ", 1)[0]
+    table: dict[str, set[str]] = {}
+    for match in re.finditer(r"^\| `(\w+)` \| (.*) \|$", section, re.M):
+        table[match.group(1)] = set(re.findall(r"`(\w+)`", match.group(2)))
+    return table
+
+
+def test_public_names_are_the_readmes() -> None:
+    documented = _readme_api()
+    assert set(documented) == set(OURS)
+    for package in OURS:
+        exported = set(getattr(importlib.import_module(package), "__all__", ()))
+        assert exported == documented[package], (
+            f"{package}: exported but undocumented {sorted(exported - documented[package])}, "
+            f"documented but not exported {sorted(documented[package] - exported)}")
+
+
+def test_one_exception_tree() -> None:
+    """Every error class of every package derives from MinipicError, defined once."""
+    from span_contract.errors import MinipicError
+
+    for package in OURS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef) and node.name.endswith("Error"):
+                    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+                    cls = getattr(importlib.import_module(module), node.name)
+                    assert issubclass(cls, MinipicError), f"{module}.{node.name}"
