@@ -19,8 +19,20 @@ This module must import on CPU-only machines (the plugin imports its parent modu
 Triton is imported only on the first forward. Its write/view/launch glue is tested on CPU through
 Triton's interpreter (``tests/test_position_free.py``); it has not run on a GPU or inside a GPU
 engine yet.
-CUDA graphs: the builder declares no support (``NEVER``), so attention runs eagerly between
-piecewise graphs.
+Span isolation: the builder asks ``engine_ext.span_isolation`` for each query token's first
+visible key (``key_start``, one host computation per step) and the kernel masks keys before it.
+
+Compilation and CUDA graphs. torch.compile is safe: minipic's settings and a hash of its engine
+code travel in vLLM's ``additional_config``, which is part of vLLM's compile-cache key
+(``span_contract.engine_config``). CUDA graphs: the builder declares no support (``NEVER``), so
+vLLM captures piecewise graphs around attention and attention runs eagerly between them — the
+model's linear layers, norms and MLPs still replay from graphs. Declaring ``UNIFORM_BATCH`` /
+``ALWAYS`` would need: (1) persistent device buffers for every per-step tensor the kernel reads
+(``key_start`` sized to the largest captured batch, filled in place; today it is allocated per
+step), (2) a launch grid independent of the step's query lengths (a fixed grid over the
+captured token count with early exit, instead of ``num_tokens // block_q + num_reqs``), and
+(3) no host sync in ``build`` (``key_start`` is computed on the host from the runner's token ids;
+under capture it must come from a pre-filled buffer). Not done: no GPU has run this backend yet.
 """
 
 from __future__ import annotations

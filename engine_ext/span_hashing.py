@@ -163,7 +163,20 @@ def install(config: SpanConfig) -> None:
 
 
 def check_supported(vllm_config: Any, config: SpanConfig) -> None:
-    """Refuse configurations where span hashes would produce false hits or never hit."""
+    """Refuse configurations where span hashes would produce false hits or never hit, or where
+    vLLM's config (what its compile cache keys on) does not carry the span config we run."""
+    minipic = (getattr(vllm_config, "additional_config", None) or {}).get("minipic")
+    if minipic is not None and minipic.get("span_config") != config.model_dump():
+        raise EngineIntegrationError(
+            f"vLLM's additional_config says span_config={minipic.get('span_config')} but the "
+            f"minipic plugin runs {config.model_dump()}; start engines through minipic "
+            f"(EngineSettings / minipic serve) so both come from one place")
+    compiled = not getattr(vllm_config.model_config, "enforce_eager", True)
+    if minipic is None and compiled:
+        raise EngineIntegrationError(
+            "minipic in compiled mode needs its settings in vLLM's additional_config (vLLM's "
+            "compile cache keys on it, not on plugin code or environment); start the engine "
+            "through minipic, or pass enforce_eager=True")
     model_config = vllm_config.model_config
     if getattr(model_config, "is_hybrid", False):
         raise HybridModelNotSupportedError(

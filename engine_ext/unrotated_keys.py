@@ -22,8 +22,9 @@ yarn; not MRoPE, dual-chunk, Phi-3 long-rope, FoPE) and (c) its attention impl i
 backend that accepts it. Anything else keeps stock behaviour (rotated keys), logged once, so
 an unsupported model still runs correctly with PIC off.
 
-torch.compile: the swap is part of the traced model, but vLLM's AOT compile cache key does not
-include plugin code; minipic runs with ``enforce_eager=True`` by default (see engine_config).
+torch.compile: the swap is part of the traced model. vLLM's AOT compile cache key does not see
+plugin code by itself, so minipic puts its settings and a hash of its engine code into vLLM's
+``additional_config`` (``span_contract.engine_config``), which is part of that key.
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=int, default=3, help="passages retrieved per question (default: 3)")
     p.add_argument("--max-tokens", type=int, default=24, help="answer length cap (default: 24)")
     p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2)")
+    p.add_argument("--eager", action="store_true",
+                   help="skip torch.compile (faster start-up, slower steps; default: compiled)")
     p.add_argument("--verbose", action="store_true",
                    help="show the engine's INFO logs (on stderr); default: warnings only")
     p.add_argument("--engine-log", default=None, metavar="FILE",
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     items = load_qa_items()[: args.questions]
     corpus = default_corpus()
     retrieved = [[p.as_document for p in corpus.search(item.question, args.k)] for item in items]
-    with SyncOrchestrator.embedded(args.model) as orc:
+    with SyncOrchestrator.embedded(args.model, enforce_eager=args.eager) as orc:
         # one untimed request: the engine's first step pays one-off set-up costs
         orc.answer("Warm-up?", ["warm-up"], mode="prefix", max_tokens=1)
         rows = _answer_all(orc, items, retrieved, args, console)

@@ -55,8 +55,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None,
                    help="default: float32; with --ckpt-budget: auto (the model's dtype; the CPU "
                         "GDN kernel of hybrid models needs bfloat16)")
-    p.add_argument("--compile", action="store_true",
-                   help="use torch.compile (slower start-up, faster steps); default eager")
+    p.add_argument("--eager", action="store_true",
+                   help="skip torch.compile: ~40 s faster start-up, slower steps (measured on "
+                        "CPU: compiled is 1.10x faster on prefills, 1.07x on decodes; "
+                        "results/compiled_vs_eager). Default: compiled")
     p.add_argument("--enable-cache-reset", action="store_true",
                    help=f"serve POST {RESET_PATH} (empties the prefix cache; for tests, "
                         "benchmarks and operators). Off by default: it answers 403")
@@ -120,7 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         dtype=dtype,
-        enforce_eager=not args.compile,
+        enforce_eager=args.eager,
         pic=not args.no_pic,
         features=features,
         ckpt=ckpt,

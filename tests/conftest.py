@@ -113,7 +113,9 @@ class ServerProcess:
 
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minipic.cli", "serve", "--port", str(self.port), *self.args],
+            # tests run eager: compiled start-up costs ~40 s per server on 2 cores
+            [sys.executable, "-m", "minipic.cli", "serve", "--port", str(self.port), "--eager",
+             *self.args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + timeout

@@ -8,6 +8,7 @@ in its own interpreter, because patches are process-wide.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,3 +97,37 @@ def test_table_covers_every_wrapped_target() -> None:
                                                   for r in rows)
     assert {r["feature"] for r in rows} == {"hash", "holes", "rope", "ckpt"}
     assert all(r["why"] for r in rows)
+
+
+def _fake_vllm_config(additional: dict, enforce_eager: bool):
+    import types
+
+    return types.SimpleNamespace(
+        additional_config=additional,
+        model_config=types.SimpleNamespace(enforce_eager=enforce_eager, is_hybrid=False),
+        cache_config=types.SimpleNamespace(block_size=CONFIG.block_size),
+    )
+
+
+def test_span_config_must_travel_in_vllm_config() -> None:
+    """vLLM's compile cache keys on its config: the span config the plugin runs must be in it
+    (compiled engines refuse to start without it), and must be the same one."""
+    from engine_ext.span_hashing import check_supported
+    from span_contract.engine_config import EngineSettings
+    from span_contract.errors import EngineIntegrationError
+
+    settings = EngineSettings(model="tiny-llama", span_config=CONFIG).resolved()
+    extra = settings.additional_config()
+    assert extra["minipic"]["span_config"] == CONFIG.model_dump()
+    assert len(extra["minipic"]["plugin_code"]) == 16
+    argv = settings.server_argv("127.0.0.1", 1, "m")
+    assert argv[argv.index("--additional-config") + 1] == json.dumps(extra)
+    check_supported(_fake_vllm_config(extra, enforce_eager=False), CONFIG)  # compiled, matching
+    check_supported(_fake_vllm_config({}, enforce_eager=True), CONFIG)  # eager: env suffices
+    with pytest.raises(EngineIntegrationError, match="additional_config"):
+        check_supported(_fake_vllm_config({}, enforce_eager=False), CONFIG)
+    other = {"minipic": {**extra["minipic"], "span_config": {**CONFIG.model_dump(),
+                                                             "ssep_id": 6}}}
+    with pytest.raises(EngineIntegrationError, match="span_config"):
+        check_supported(_fake_vllm_config(other, enforce_eager=True), CONFIG)
+    assert EngineSettings(model="tiny-llama", pic=False).resolved().additional_config() == {}

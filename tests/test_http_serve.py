@@ -68,3 +68,45 @@ def test_http_and_in_process_see_same_cached_tokens(smol_server, engines):
     assert over_http[-3] == first.expected_cached_tokens
     assert over_http[-2] == second.expected_cached_tokens  # reordered spans, new offsets
     assert over_http[-1] == 0  # a salted tenant shares nothing
+
+
+def _first_logprob(base_url: str, prompt: list[int] | str, salt: str | None = None,
+                   opt_in: bool = False) -> tuple[float, int]:
+    """First generated token's logprob and the prompt's cached tokens, over plain HTTP."""
+    body: dict = {"model": "minipic", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                  "logprobs": 1}
+    if salt:
+        body["cache_salt"] = salt
+    if opt_in:
+        body["vllm_xargs"] = {SPANS_OPT_IN_KEY: True}
+    resp = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+    resp.raise_for_status()
+    data = resp.json()
+    details = data["usage"]["prompt_tokens_details"] or {}
+    return data["choices"][0]["logprobs"]["token_logprobs"][0], details.get("cached_tokens") or 0
+
+
+def test_plain_client_text_never_changes_attention(smol_server):
+    """A client that did not opt in: SSEP (``<file_sep>``) at a block boundary of its prompt
+    neither reuses a span cached by an SDK request after other text, nor changes attention —
+    its logprobs equal the same request under a fresh salt (which can hit nothing)."""
+    builder = PromptBuilder.from_pretrained(None, block_size=32)
+    cfg = builder.span_config
+    rng = random.Random()
+    ordinary = [rng.randrange(200, 40000) for _ in range(200)]
+    ordinary = [t for t in ordinary if t not in (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)]
+    span = [cfg.ssep_id, *ordinary[:63]]  # two blocks led by SSEP
+    before_a, before_b = ordinary[64:96], ordinary[96:128]
+    # An SDK request caches the span after prefix A (span semantics: span-local hashes).
+    _first_logprob(smol_server.base_url, before_a + span + [cfg.pdep_id, 5000], opt_in=True)
+    plain = before_b + span + ordinary[128:140]
+    lp, cached = _first_logprob(smol_server.base_url, plain)
+    fresh_lp, fresh_cached = _first_logprob(smol_server.base_url, plain,
+                                            salt=f"fresh-{rng.random()}")
+    assert cached == 0 and fresh_cached == 0, "a plain request reused span-hashed blocks"
+    assert abs(lp - fresh_lp) < 1e-4
+    # The same through text: "<file_sep>" in an ordinary prompt is just text to minipic.
+    text_prompt = text(rng, 20) + " <file_sep> " + text(rng, 30)
+    lp_text, _ = _first_logprob(smol_server.base_url, text_prompt)
+    fresh_text, _ = _first_logprob(smol_server.base_url, text_prompt, salt=f"f-{rng.random()}")
+    assert abs(lp_text - fresh_text) < 1e-4

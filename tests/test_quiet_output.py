@@ -47,7 +47,7 @@ def test_agent_example_stdout_is_its_own() -> None:
 
 def test_demo_stdout_is_its_own(tmp_path: Path) -> None:
     log = tmp_path / "engine.log"
-    done = run(["-m", "minipic.cli", "demo", "--model", "tiny-llama", "--questions", "1",
+    done = run(["-m", "minipic.cli", "demo", "--model", "tiny-llama", "--eager", "--questions", "1",
                 "--max-tokens", "2", "--engine-log", str(log)])
     assert done.returncode == 0, done.stderr[-3000:]
     assert engine_lines(done.stdout) == []

@@ -176,7 +176,8 @@ def test_sigint_while_the_engine_loads(leftovers) -> None:
     server = ServerProcess(*TINY)
     log = open(server.log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minipic.cli", "serve", "--port", str(server.port), *TINY],
+        [sys.executable, "-m", "minipic.cli", "serve", "--port", str(server.port), "--eager",
+         *TINY],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     procs = wait_for_engine(proc.pid)
