@@ -63,6 +63,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("hash", "vllm.v1.engine.core:get_request_block_hasher",
                ("hash_block_size", "caching_hash_fn"),
                "EngineCore imported the hasher factory by name"),
+    PatchPoint("hash", f"{_SCHED}.__init__",
+               ("self", "vllm_config", "kv_cache_config", "structured_output_manager",
+                "block_size", "hash_block_size", "mm_registry", "include_finished_set",
+                "log_stats"),
+               "records the engine's config for the hasher factory, which vLLM calls with a "
+               "block size and a hash function only (EngineCore builds the scheduler first)"),
     # -- holes: lookup past misses, compute only the holes (engine_ext/hole_lookup.py)
     PatchPoint("holes", f"{_KVM}.get_computed_blocks", ("self", "request"),
                "the prefix lookup stops at the first miss; no lookup hook"),

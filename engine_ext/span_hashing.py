@@ -33,6 +33,7 @@ encode to the marker ids must not share KV with span requests.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -115,24 +116,21 @@ def make_span_block_hasher(
     return request_block_hasher
 
 
-def _caller_vllm_config() -> Any | None:
-    """The VllmConfig of the EngineCore that is building its hasher (a local in its __init__).
+# The EngineCore's config, recorded when it builds its scheduler (just before the hasher).
+_ENGINE: dict[str, Any] = {"vllm_config": None}
 
-    The hasher factory gets only a block size and a hash function, but whether span hashing is
-    safe depends on the model (hybrid or not); walking up to the caller's frame is the least
-    invasive way to see it in vLLM 0.32 without patching EngineCore.__init__.
-    """
-    import sys
 
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return None
-        cfg = frame.f_locals.get("vllm_config")
-        if cfg is not None:
-            return cfg
-        frame = frame.f_back
-    return None
+def _wrap_scheduler_init(stock: Any) -> Any:
+    """Record the engine's VllmConfig: the hasher factory gets only a block size and a hash
+    function, but whether span hashing is safe depends on the model (hybrid or not), the block
+    size and the config vLLM's compile cache keys on."""
+
+    @functools.wraps(stock)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _ENGINE["vllm_config"] = kwargs.get("vllm_config", args[0] if args else None)
+        stock(self, *args, **kwargs)
+
+    return __init__
 
 
 class HybridModelNotSupportedError(EngineIntegrationError):
@@ -150,16 +148,24 @@ def install(config: SpanConfig) -> None:
     def factory(stock: Any) -> Any:
         def get_request_block_hasher(hash_block_size: int,
                                      caching_hash_fn: Callable[[Any], bytes]):
-            vllm_config = _caller_vllm_config()
-            if vllm_config is not None:
-                check_supported(vllm_config, config)
+            vllm_config = _ENGINE["vllm_config"]
+            if vllm_config is None:
+                raise EngineIntegrationError(
+                    "minipic span hashing: the engine built its block hasher before its "
+                    "scheduler, so the hybrid-model and block-size checks cannot run (vLLM "
+                    "changed EngineCore.__init__); refusing to start without them")
+            check_supported(vllm_config, config)
             return make_span_block_hasher(hash_block_size, caching_hash_fn, config)
 
         get_request_block_hasher._minipic = True  # type: ignore[attr-defined]
         get_request_block_hasher._stock = stock  # type: ignore[attr-defined]
         return get_request_block_hasher
 
-    patches.apply("hash", {p.target: factory for p in patches.points("hash")})
+    hashers = [p.target for p in patches.points("hash") if p.target.endswith("block_hasher")]
+    patches.apply("hash", {
+        **{target: factory for target in hashers},
+        "vllm.v1.core.sched.scheduler:Scheduler.__init__": _wrap_scheduler_init,
+    })
 
 
 def check_supported(vllm_config: Any, config: SpanConfig) -> None:

@@ -131,3 +131,18 @@ def test_span_config_must_travel_in_vllm_config() -> None:
     with pytest.raises(EngineIntegrationError, match="span_config"):
         check_supported(_fake_vllm_config(other, enforce_eager=True), CONFIG)
     assert EngineSettings(model="tiny-llama", pic=False).resolved().additional_config() == {}
+
+
+def test_span_hashing_still_refuses_hybrid_models(tmp_path: Path) -> None:
+    """A recurrent state depends on the whole prefix: span hashing (and hits past misses) on a
+    hybrid model would be false hits, so the engine refuses to start with it."""
+    body = """
+    from span_contract.engine_config import EngineSettings, build_llm
+
+    if __name__ == "__main__":
+        build_llm(EngineSettings(model="tiny-qwen3-next", dtype="bfloat16", max_model_len=1024))
+        print("STARTED")
+    """
+    proc = _run("", body, {"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path, timeout=600)
+    assert proc.returncode != 0 and "STARTED" not in proc.stdout
+    assert "HybridModelNotSupportedError" in proc.stderr, proc.stderr[-3000:]
