@@ -81,8 +81,9 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("holes", f"{_KVM}.free", ("self", "request"),
                "pinned cached runs must be released with the request"),
     PatchPoint("holes", f"{_SCHED}.schedule", ("self", "throttle_prefills"),
-               "jumping a running request over a cached run; scheduler_cls would need the "
-               "span config before vLLM's config carries it (issue 15)"),
+               "jumping a running request over a cached run; a scheduler_cls subclass would "
+               "have to be named in every launcher's engine args and would exclude other "
+               "scheduler plugins, for a two-line hook"),
     PatchPoint("holes", f"{_SCHED}._reserve_prefill_lookahead",
                ("self", "request", "num_computed_tokens", "num_new_tokens"),
                "the last chunk clip before allocation on both scheduling paths"),

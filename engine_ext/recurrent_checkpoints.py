@@ -120,7 +120,8 @@ def _attach_policy(scheduler: Any) -> None:
     # The groups' specs are authoritative: cache_config.mamba_block_size can still hold the
     # requested size when the hybrid alignment enlarged the block (32 -> 544 here).
     block_size = _recurrent_block_size(scheduler.kv_cache_config)
-    policy = CheckpointPolicy(CheckpointConfig.from_env(), block_size, scheduler.max_model_len)
+    policy = CheckpointPolicy(_engine_checkpoint_config(scheduler), block_size,
+                              scheduler.max_model_len)
     scheduler.__dict__[POLICY_ATTR] = policy
     scheduler.kv_cache_manager.__dict__[POLICY_ATTR] = policy
     logger.warning(
@@ -385,6 +386,15 @@ def install() -> None:
     # Utility methods the front-end calls by name (EngineCore utilities: an extension point).
     EngineCore.minipic_ckpt_stats = _minipic_ckpt_stats  # type: ignore[attr-defined]
     EngineCore.minipic_ckpt_configure = _minipic_ckpt_configure  # type: ignore[attr-defined]
+
+
+def _engine_checkpoint_config(scheduler: Any) -> CheckpointConfig:
+    """The policy from vLLM's ``additional_config`` (what its config hash covers); the
+    environment only for engines started without it (eager engines of other launchers)."""
+    minipic = (getattr(scheduler.vllm_config, "additional_config", None) or {}).get("minipic")
+    if minipic and minipic.get("ckpt") is not None:
+        return CheckpointConfig.model_validate(minipic["ckpt"])
+    return CheckpointConfig.from_env()
 
 
 def call_engine(llm: Any, method: str, *args: Any) -> Any:

@@ -13,7 +13,7 @@ cannot be reached (retryable), ``EngineError`` with ``retryable`` set for engine
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -79,3 +79,14 @@ class EngineBackend(Protocol):
     async def aclose(self) -> None:
         """Release the engine or connections. Idempotent."""
         ...
+
+
+async def final_completion(stream: AsyncIterator[str | Completion]) -> Completion:
+    """Drain a backend's ``stream()`` (text deltas, then the ``Completion``) to its Completion:
+    what ``generate`` returns, so both backends answer through one code path."""
+    done: Completion | None = None
+    async for item in stream:
+        if isinstance(item, Completion):
+            done = item
+    assert done is not None, "stream() ends with its Completion"
+    return done

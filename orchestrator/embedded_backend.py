@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from orchestrator.backends import BackendInfo, Completion, Sampling
+from orchestrator.backends import BackendInfo, Completion, Sampling, final_completion
 from orchestrator.errors import BadInputError, EngineError, MinipicError
 from orchestrator.kv_usage import KVUsageMonitor
 from span_contract.engine_config import EngineSettings
@@ -106,13 +106,8 @@ class EmbeddedBackend:
         cache_salt: str | None = None,
         request_id: str | None = None,
     ) -> Completion:
-        done: Completion | None = None
-        async for item in self.stream(token_ids, sampling=sampling, cache_salt=cache_salt,
-                                      request_id=request_id):
-            if isinstance(item, Completion):
-                done = item
-        assert done is not None, "stream() ends with its Completion"
-        return done
+        return await final_completion(self.stream(token_ids, sampling=sampling,
+                                                  cache_salt=cache_salt, request_id=request_id))
 
     async def stream(
         self,

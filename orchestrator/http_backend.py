@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator.backends import BackendInfo, Completion, Sampling
+from orchestrator.backends import BackendInfo, Completion, Sampling, final_completion
 from orchestrator.errors import (
     BadInputError,
     ConfigMismatchError,
@@ -196,13 +196,8 @@ class HttpBackend:
         cache_salt: str | None = None,
         request_id: str | None = None,
     ) -> Completion:
-        done: Completion | None = None
-        async for item in self.stream(token_ids, sampling=sampling, cache_salt=cache_salt,
-                                      request_id=request_id):
-            if isinstance(item, Completion):
-                done = item
-        assert done is not None, "stream() ends with its Completion"
-        return done
+        return await final_completion(self.stream(token_ids, sampling=sampling,
+                                                  cache_salt=cache_salt, request_id=request_id))
 
     async def stream(
         self,
