@@ -98,12 +98,10 @@ class EngineSettings(BaseModel):
         """
         if not self.pic:
             return {}
-        assert self.span_config is not None, "call resolved() first"
-        minipic: dict[str, Any] = {
-            "span_config": self.span_config.model_dump(),
-            "features": sorted(self.features),
-            "plugin_code": plugin_code_hash(),
-        }
+        minipic: dict[str, Any] = {"features": sorted(self.features),
+                                   "plugin_code": plugin_code_hash()}
+        if self.span_config is not None:  # known once resolved() ran (always before a start)
+            minipic["span_config"] = self.span_config.model_dump()
         if "ckpt" in self.features:
             minipic["ckpt"] = (self.ckpt or CheckpointConfig()).model_dump()
         return {ADDITIONAL_CONFIG_KEY: minipic}
