@@ -60,7 +60,6 @@ logger = logging.getLogger("vllm.minipic.hole_lookup")
 
 PENDING_ATTR = "_minipic_cached_runs"
 
-_STATE: dict[str, Any] = {"installed": False}
 
 
 @dataclass
@@ -257,4 +256,3 @@ def install() -> None:
         f"{sched}.schedule": _wrap_schedule,
         f"{sched}._reserve_prefill_lookahead": _wrap_reserve_prefill_lookahead,
     })
-    _STATE["installed"] = True

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -42,7 +43,7 @@ IDLE_RELEASE_S = 1.0
 # Worker-process facts, set once the worker has sized its memory (install_budget) and read by
 # the metadata builders, which are created after that.
 _BUDGET: dict[str, Any] = {"pool_bytes": None}
-_POOLS: list[RotatedBlocks] = []  # every pool of this worker, for stats
+_POOLS: weakref.WeakSet[RotatedBlocks] = weakref.WeakSet()  # live pools of this worker
 
 
 class RotatedBlocks:
@@ -59,7 +60,7 @@ class RotatedBlocks:
         self.chunked_steps = 0
         self._last_used = time.monotonic()
         self._reset(initial)
-        _POOLS.append(self)
+        _POOLS.add(self)
 
     def _reset(self, capacity: int) -> None:
         self.capacity = capacity if self.cap is None else min(capacity, self.cap)

@@ -27,7 +27,7 @@ from span_contract.span_config import SpanConfig, spans_opted_in
 
 TARGET = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata"
 _STEP = threading.local()
-_STATE: dict[str, Any] = {"installed": False, "config": None}
+_STATE: dict[str, Any] = {"config": None}
 
 
 def install(config: SpanConfig) -> None:
@@ -49,7 +49,6 @@ def install(config: SpanConfig) -> None:
         return _build_attention_metadata
 
     patches.apply("rope", {TARGET: factory})
-    _STATE["installed"] = True
 
 
 def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -40,14 +40,3 @@ def block_key_starts(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int,
     led_by_ssep = (last_marker >= 0) & is_ssep[np.maximum(last_marker, 0)]
     return np.where(led_by_ssep, last_marker * block_size, 0)
 
-
-def token_key_starts(token_ids: np.ndarray, positions: np.ndarray, ssep_id: int, pdep_id: int,
-                     block_size: int) -> np.ndarray:
-    """``key_start`` of each query position of one request (``token_ids`` = its tokens so far)."""
-    starts = block_key_starts(np.asarray(token_ids)[::block_size], ssep_id, pdep_id, block_size)
-    return starts[np.asarray(positions) // block_size]
-
-
-def is_isolated(block_first_tokens: np.ndarray, ssep_id: int) -> bool:
-    """Whether any block of the request is SSEP-led (otherwise attention is stock causal)."""
-    return bool((np.asarray(block_first_tokens) == ssep_id).any())

@@ -225,10 +225,11 @@ def _off_home_chunks(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
                      slot_offset: list[int] | None) -> list[OffHomeBatch]:
     """The off-home requests in chunks whose distinct ``(slot, block)`` pairs fit the pool's
     cap (``engine_ext/rotated_pool.py``); one chunk when there is no cap or it all fits."""
-    if rotated.cap is None:
+    lens = seq_lens.tolist()
+    # Upper bound first (every step of a decode runs this): no set building when all fits.
+    if rotated.cap is None or sum(-(-lens[i] // block_size) for i in reqs) <= rotated.cap:
         return [_off_home_batch(reqs, qsl, seq_lens, block_table, block_size, home, rotated,
                                 scheduler_metadata, slot_offset)]
-    lens = seq_lens.tolist()
     groups: list[list[int]] = [[]]
     seen: set[tuple[int, int]] = set()
     for i in reqs:

@@ -7,6 +7,7 @@ stop lining up with the engine's hashes. Both derive their settings from ``Engin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ ADDITIONAL_CONFIG_KEY = "minipic"
 _ENGINE_CODE = ("engine_ext", "kernels")  # packages whose code shapes a compiled graph
 
 
+@functools.cache
 def plugin_code_hash() -> str:
     """sha256 over the engine-side source files: a new minipic build gets new compile-cache keys.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -71,6 +72,13 @@ class EnginePool:
         while self._alive:
             _, llm = self._alive.popitem(last=False)
             close_llm(llm)
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test (fresh random inputs every run); MINIPIC_TEST_SEED replays one."""
+    env = os.environ.get("MINIPIC_TEST_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**31)
 
 
 @pytest.fixture(scope="session")

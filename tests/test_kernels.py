@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -62,13 +61,6 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 # ------------------------------------------------------------------------------------------------
 # helpers
-
-
-@pytest.fixture
-def seed() -> int:
-    """A fresh seed per test (or MINIPIC_TEST_SEED to replay one)."""
-    env = os.environ.get("MINIPIC_TEST_SEED")
-    return int(env) if env else random.SystemRandom().randrange(2**31)
 
 
 def _gen(seed: int) -> torch.Generator:

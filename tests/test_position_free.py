@@ -57,12 +57,6 @@ REFERENCE_TOL = 1e-4  # logprobs, engine vs transformers reference (measured <= 
 WRONG_MIN = 2e-2  # stock attention + span hashing must be this far off (measured 0.12-0.23)
 
 
-@pytest.fixture
-def seed() -> int:
-    env = os.environ.get("MINIPIC_TEST_SEED")
-    return int(env) if env else random.SystemRandom().randrange(2**31)
-
-
 @pytest.fixture(scope="module")
 def tiny_reference(engines) -> Iterator[PicReference]:
     yield PicReference(engines.get("tiny_pic").minipic_settings.model)

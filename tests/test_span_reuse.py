@@ -21,7 +21,6 @@ transformers, different summation order; measured ~2e-6).
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 
@@ -39,12 +38,6 @@ from span_contract.span_config import SPANS_OPT_IN_KEY
 pytestmark = pytest.mark.engine
 
 REFERENCE_TOL = 1e-4
-
-
-@pytest.fixture
-def seed() -> int:
-    env = os.environ.get("MINIPIC_TEST_SEED")
-    return int(env) if env else random.SystemRandom().randrange(2**31)
 
 
 @pytest.fixture(scope="module")
