@@ -15,6 +15,7 @@ that hint otherwise, and asks for the server's API key when one is set (vLLM gua
 from __future__ import annotations
 
 import os
+import uuid
 from argparse import Namespace
 from typing import Any
 
@@ -31,9 +32,15 @@ def cache_reset_enabled(environ: dict[str, str] | None = None) -> bool:
     return env.get(CACHE_RESET_ENV, "0").lower() in ("1", "true", "yes")
 
 
+# One id per API-server process: a client that sees it change knows the server restarted (and
+# its prefix cache is empty), however the connection loss looked from its side.
+INSTANCE_ID = uuid.uuid4().hex
+
+
 def current_config() -> dict[str, Any]:
     span = SpanConfig.from_env()
     return {
+        "instance": INSTANCE_ID,
         "enabled": span is not None,
         "features": sorted(enabled_features()),
         "span_config": span.model_dump() if span else None,

@@ -57,9 +57,11 @@ class Circuit:
         self, backend: object, policy: Callable[[], RetryPolicy], *,
         on_open: Callable[[MinipicError], None] | None = None,
         on_close: Callable[[float], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.backend = backend
+        self._on_restart = on_restart
         self._policy = policy  # read at each use: options can change while it runs
         self._on_open = on_open
         self._on_close = on_close
@@ -190,6 +192,9 @@ class Circuit:
                 raise
         finally:
             self._checked_at = time.monotonic()
+            take_restart = getattr(self.backend, "take_restart", None)
+            if take_restart is not None and take_restart() and self._on_restart is not None:
+                self._on_restart()  # another server process: its cache is empty
 
     def _close(self) -> None:
         down = time.monotonic() - (self.opened_at or time.monotonic())

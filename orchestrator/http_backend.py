@@ -133,6 +133,8 @@ class HttpBackend:
         self._headers = dict(headers or {})
         self._timeout = timeout
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self.instance: str | None = None  # the server process id from /minipic/config
+        self._restarted = False
 
     @classmethod
     def connect(
@@ -147,7 +149,9 @@ class HttpBackend:
                 f"{base_url} does not run span-aware caching: {why}. Pass allow_plugin_off=True "
                 "to use it with mode='prefix' only"
             )
-        return cls(base_url, info, headers=headers)
+        backend = cls(base_url, info, headers=headers)
+        backend.instance = raw.get("instance")
+        return backend
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -298,6 +302,16 @@ class HttpBackend:
         except httpx.HTTPError:
             return False
 
+    def _note_instance(self, instance: object) -> None:
+        if isinstance(instance, str) and instance != self.instance:
+            self._restarted = self.instance is not None
+            self.instance = instance
+
+    def take_restart(self) -> bool:
+        """Whether the last config read found another server process than before (once)."""
+        restarted, self._restarted = self._restarted, False
+        return restarted
+
     async def check_config(self) -> None:
         """Read ``GET /minipic/config`` again; ``ConfigMismatchError`` when the server now runs
         another span configuration than the one this backend connected to.
@@ -316,6 +330,7 @@ class HttpBackend:
         try:
             raw = resp.json() if resp.status_code == 200 else {}
             raw = raw if isinstance(raw, dict) else {}
+            self._note_instance(raw.get("instance"))
             span = raw.get("span_config")
             now = SpanConfig.model_validate(span) if raw.get("enabled") and span else None
         except ValueError as exc:  # not JSON, or not a SpanConfig (pydantic's is a ValueError)

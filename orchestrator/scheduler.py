@@ -186,7 +186,8 @@ class Scheduler:
             self._states = {lp: s for lp, s in self._states.items() if not lp.is_closed()}
             circuit = state.circuit if state is not None else Circuit(
                 self.backend, lambda: self.options.retry, on_open=self._circuit_opened,
-                on_close=lambda down: self._emit("circuit_closed", detail=f"down {down:.2f}s"))
+                on_close=lambda down: self._emit("circuit_closed", detail=f"down {down:.2f}s"),
+                on_restart=self._server_restarted)
             state = _LoopState(PrioritySlots(total), PrioritySlots(prefills), circuit)
             self._states[loop] = state
         return state
@@ -196,6 +197,12 @@ class Scheduler:
         if isinstance(exc, EngineUnreachableError):  # a restarted server has an empty cache
             self.registry.reset()
             self._emit("registry_reset", detail=str(exc)[:200])
+
+    def _server_restarted(self) -> None:
+        """The server came back as another process (whatever the failure looked like from
+        here, e.g. a stream cut mid-chunk rather than a refused connection): empty cache."""
+        self.registry.reset()
+        self._emit("registry_reset", detail="server restarted (new /minipic/config instance)")
 
     @property
     def circuit(self) -> Circuit:

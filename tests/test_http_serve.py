@@ -110,3 +110,41 @@ def test_plain_client_text_never_changes_attention(smol_server):
     lp_text, _ = _first_logprob(smol_server.base_url, text_prompt)
     fresh_text, _ = _first_logprob(smol_server.base_url, text_prompt, salt=f"f-{rng.random()}")
     assert abs(lp_text - fresh_text) < 1e-4
+
+
+def test_official_openai_client_cold_and_warm_agree(smol_server):
+    """The official ``openai`` client, as an application would use it: a span-laid-out prompt
+    sent cold (no span prefill) and after its prefills gives the same text; the warm one reports
+    the layout's cached tokens; streaming and chat work for a plain client."""
+    import openai
+
+    client = openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    builder = PromptBuilder.from_pretrained(None, block_size=32)
+    rng = random.Random()
+    built = builder.build(system=text(rng, 10), spans=[text(rng, 40), text(rng, 30)],
+                          question="Which words appear twice?")
+    salt = f"openai-{rng.random()}"
+    spans = {"vllm_xargs": {SPANS_OPT_IN_KEY: True}, "cache_salt": salt}
+
+    def complete(ids: list[int], max_tokens: int = 8):
+        return client.completions.create(model="minipic", prompt=ids, max_tokens=max_tokens,
+                                         temperature=0.0, extra_body=spans)
+
+    cold = complete(built.prompt_token_ids)
+    assert cold.usage.prompt_tokens_details.cached_tokens in (0, None)
+    # warm in a fresh salt scope, so nothing the cold request cached can be reused
+    spans["cache_salt"] = salt + "-warm"
+    for ids in built.span_prefills:
+        complete(ids, max_tokens=1)
+    warm = complete(built.prompt_token_ids)
+    assert warm.usage.prompt_tokens_details.cached_tokens == built.expected_cached_tokens
+    assert warm.choices[0].text == cold.choices[0].text
+    streamed = client.completions.create(model="minipic", prompt=built.prompt_token_ids,
+                                         max_tokens=8, temperature=0.0, stream=True,
+                                         extra_body=spans)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cold.choices[0].text
+    chat = client.chat.completions.create(
+        model="minipic", max_tokens=4, temperature=0.0,
+        messages=[{"role": "user", "content": "Say hello. <file_sep> Then stop."}])
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens <= 4
