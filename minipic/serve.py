@@ -9,7 +9,7 @@ For hybrid (attention + recurrent) models, ``--ckpt-budget M`` switches to the `
 vLLM keeps recurrent state at M planned positions per prefix only (DESIGN.md §4), planned from
 ``--ckpt-histogram FILE`` or learned from the overlap depths the engine observes (``learn``).
 
-The server runs under ``minipic.supervise``: in a process group of its own, watched by a guard
+The server runs under ``serving.supervise``: in a process group of its own, watched by a guard
 process, so that killing ``minipic serve`` (even with SIGKILL) stops vLLM's EngineCore and
 workers too, and SIGTERM / SIGINT shut it down in order. ``--enable-cache-reset`` opens
 ``POST /minipic/reset_prefix_cache`` (off by default: emptying the cache is an operator's act).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine_ext.checkpoint_policy import CheckpointConfig
 from engine_ext.endpoints import CACHE_RESET_ENV, RESET_PATH
-from minipic.supervise import supervise
+from serving.supervise import supervise
 from span_contract.engine_config import EngineSettings
 
 DEFAULT_SERVED_NAME = "minipic"
@@ -87,6 +87,25 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                            "(default: %(default)s)")
     ckpt.add_argument("--ckpt-half-life", type=float, default=None, metavar="H",
                       help="learn: an observation H requests old weighs half (drifting traffic)")
+    scale = p.add_argument_group(
+        "scale-out on Ray Serve",
+        "Run N replicas of this server behind one URL, routed by where spans are cached "
+        "(README \"Scale out\"). Clients do not change: the URL answers as one server does.",
+    )
+    scale.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="serve N vLLM replicas with Ray Serve (starts Ray on this machine "
+                            "unless --ray-address is given)")
+    scale.add_argument("--router", default="span", choices=("span", "prefix", "round_robin",
+                                                            "pow2"),
+                       help="span: by span blocks held anywhere in the prompt (learned from "
+                            "vLLM KV events); prefix: Ray's PrefixCacheAffinityRouter; "
+                            "round_robin; pow2: Ray's default (default: %(default)s)")
+    scale.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="deploy on a running Ray cluster (`ray start --head` prints it; "
+                            "`auto` finds a local one)")
+    scale.add_argument("--replicas-per-node", type=int, default=None, metavar="K",
+                       help="replicas sharing one node's cores (CPU: each gets cores/K); "
+                            "default: all replicas on one node")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER,
                    help="extra arguments for vLLM after `--`")
     p.set_defaults(func=run)
@@ -135,10 +154,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"minipic serve: error: {exc}", file=sys.stderr)
         return 2
-    argv = settings.server_argv(args.host, args.port, args.served_model_name)
     extra = list(args.vllm_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    if args.replicas is not None:
+        return run_replicas(args, settings, extra)
+    argv = settings.server_argv(args.host, args.port, args.served_model_name)
     argv += extra
     env = {**os.environ, **settings.plugin_env(),
            CACHE_RESET_ENV: "1" if args.enable_cache_reset else "0"}
@@ -152,3 +173,27 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr, flush=True,
     )
     return supervise(argv, env)
+
+
+def run_replicas(args: argparse.Namespace, settings: EngineSettings, extra: list[str]) -> int:
+    """``--replicas N``: the same server N times on Ray Serve, behind one URL."""
+    if not settings.pic:
+        print("minipic serve: error: --replicas needs the plugin (drop --no-pic)", file=sys.stderr)
+        return 2
+    if args.replicas < 1:
+        print("minipic serve: error: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if extra:
+        print(f"minipic serve: error: vLLM arguments after -- are not passed to replicas "
+              f"({' '.join(extra)}); set them through minipic's flags", file=sys.stderr)
+        return 2
+    try:
+        from serving.cluster_app import run_cluster
+    except ImportError as exc:
+        print(f"minipic serve: error: --replicas needs Ray Serve ({exc}); "
+              "pip install 'ray[serve]==2.60.0'", file=sys.stderr)
+        return 2
+    return run_cluster(settings, replicas=args.replicas, host=args.host, port=args.port,
+                       router=args.router, served_name=args.served_model_name,
+                       address=args.ray_address, replicas_per_node=args.replicas_per_node,
+                       enable_cache_reset=args.enable_cache_reset)

@@ -68,8 +68,12 @@ class EngineBackend(Protocol):
         sampling: Sampling,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        route_as: Sequence[int] | None = None,
     ) -> Completion:
-        """Run one prompt to completion; ``ttft_s`` is measured from the moment it is sent."""
+        """Run one prompt to completion; ``ttft_s`` is measured from the moment it is sent.
+
+        ``route_as``: for a span prefill, the final prompt it serves; a cluster routes the
+        prefill where that final will go (one engine has nowhere else to send it: ignored)."""
         ...
 
     async def reset_cache(self) -> None:

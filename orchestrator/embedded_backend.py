@@ -105,9 +105,11 @@ class EmbeddedBackend:
         sampling: Sampling,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        route_as: Sequence[int] | None = None,
     ) -> Completion:
         return await final_completion(self.stream(token_ids, sampling=sampling,
-                                                  cache_salt=cache_salt, request_id=request_id))
+                                                  cache_salt=cache_salt, request_id=request_id,
+                                                  route_as=route_as))
 
     async def stream(
         self,
@@ -116,6 +118,7 @@ class EmbeddedBackend:
         sampling: Sampling,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        route_as: Sequence[int] | None = None,
     ) -> AsyncIterator[str | Completion]:
         """``generate``, one text delta at a time as the engine produces them (non-empty
         strings), then the ``Completion``. Closing the iterator early aborts the request."""

@@ -37,7 +37,7 @@ from orchestrator.errors import (
     EngineUnreachableError,
     RequestTimeoutError,
 )
-from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
+from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig
 
 CONFIG_PATH = "/minipic/config"
 RESET_PATH = "/reset_prefix_cache"  # vLLM's, development mode only
@@ -134,6 +134,8 @@ class HttpBackend:
         self._timeout = timeout
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self.instance: str | None = None  # the server process id from /minipic/config
+        # a cluster (`minipic serve --replicas`) routes a span prefill by the final it serves
+        self.route_hints = False
         self._restarted = False
 
     @classmethod
@@ -151,6 +153,8 @@ class HttpBackend:
             )
         backend = cls(base_url, info, headers=headers)
         backend.instance = raw.get("instance")
+        cluster = raw.get("cluster")
+        backend.route_hints = isinstance(cluster, dict) and cluster.get("route_hints") is True
         return backend
 
     def _client(self) -> httpx.AsyncClient:
@@ -199,9 +203,11 @@ class HttpBackend:
         sampling: Sampling,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        route_as: Sequence[int] | None = None,
     ) -> Completion:
         return await final_completion(self.stream(token_ids, sampling=sampling,
-                                                  cache_salt=cache_salt, request_id=request_id))
+                                                  cache_salt=cache_salt, request_id=request_id,
+                                                  route_as=route_as))
 
     async def stream(
         self,
@@ -210,12 +216,15 @@ class HttpBackend:
         sampling: Sampling,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        route_as: Sequence[int] | None = None,
     ) -> AsyncIterator[str | Completion]:
         """``generate``, one text delta per SSE chunk as the server sends them (non-empty
         strings), then the ``Completion``. Closing the iterator early closes the connection,
         which makes vLLM abort the request."""
         url = self.base_url + "/v1/completions"
         payload = self._payload(token_ids, sampling, cache_salt, request_id)
+        if route_as is not None and self.route_hints:
+            payload[ROUTE_AS_KEY] = list(route_as)
         sent = time.perf_counter()
         first: float | None = None
         text: list[str] = []

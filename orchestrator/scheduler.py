@@ -213,6 +213,7 @@ class Scheduler:
         self, token_ids: Sequence[int], sampling: Sampling, salt: str | None, *,
         kind: Literal["prefill", "final"], job: int, budget: RetryBudget,
         key: str | None = None, warmed_in: int | None = None,
+        route_as: Sequence[int] | None = None,
     ) -> Completion:
         """One engine request: wait for the engine to be up (the circuit, until ``budget``'s
         deadline) and for a slot (oldest question first), bound it in time.
@@ -238,7 +239,7 @@ class Scheduler:
             try:
                 async with asyncio.timeout(self.options.request_timeout_s):
                     done = await self.backend.generate(token_ids, sampling=sampling,
-                                                       cache_salt=salt)
+                                                       cache_salt=salt, route_as=route_as)
             except TimeoutError:
                 self._emit(_step(kind, "failed"), job, key, "timeout")
                 raise RequestTimeoutError(
@@ -256,14 +257,15 @@ class Scheduler:
     # -- span prefills --------------------------------------------------------------------------
 
     async def _prefill(self, wkey: WarmKey, ids: list[int], job: int, epoch: int,
-                       batch: _Batch, budget: RetryBudget) -> None:
+                       batch: _Batch, budget: RetryBudget, final: Sequence[int]) -> None:
         await self._call(ids, PREFILL_SAMPLING, wkey[0], kind="prefill", job=job,
-                         budget=budget, key=wkey[1])
+                         budget=budget, key=wkey[1], route_as=final)
         if self.registry.mark_warm(wkey, len(ids), epoch=epoch):
             batch.done[wkey] = epoch
 
     def _warm_task(self, wkey: WarmKey, ids: list[int], job: int, batch: _Batch,
-                   force: bool, budget: RetryBudget) -> tuple[asyncio.Task[None] | None, bool]:
+                   force: bool, budget: RetryBudget,
+                   final: Sequence[int]) -> tuple[asyncio.Task[None] | None, bool]:
         """The prefill this question must wait for (None: none needed) and whether it started
         it. Joins one in flight for the same key; never starts a second one. A started prefill
         waits for a down engine as long as its starter's ``budget`` allows."""
@@ -278,8 +280,8 @@ class Scheduler:
             if batch.done.get(wkey) == epoch:
                 return None, False
         task = asyncio.get_running_loop().create_task(
-            self._prefill(wkey, ids, job, epoch, batch, budget), name=f"prefill-{wkey[1][:8]}"
-        )
+            self._prefill(wkey, ids, job, epoch, batch, budget, final),
+            name=f"prefill-{wkey[1][:8]}")
         entry = _Prefill(task, epoch)
         state.inflight[wkey] = entry
 
@@ -299,7 +301,8 @@ class Scheduler:
         waits: list[asyncio.Task[None]] = []
         for key, ids in zip(job.prompt.prefill_keys, job.prompt.span_prefills, strict=True):
             task, _ = self._warm_task((job.cache_salt, key), ids, job.seq, batch,
-                                      force=key in force, budget=budget)
+                                      force=key in force, budget=budget,
+                                      final=job.prompt.prompt_token_ids)
             if task is not None:
                 waits.append(task)
         for task in waits:
@@ -407,7 +410,8 @@ class Scheduler:
             budget = RetryBudget(self.options.retry)
             for key, ids in zip(job.prompt.prefill_keys, job.prompt.span_prefills, strict=True):
                 task, _ = self._warm_task((job.cache_salt, key), ids, job.seq, batch,
-                                          force=False, budget=budget)
+                                          force=False, budget=budget,
+                                          final=job.prompt.prompt_token_ids)
                 if task is not None:
                     tasks[id(task)] = task
         # failures surface again, per question, when each one warms its own spans

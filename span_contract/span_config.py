@@ -89,6 +89,10 @@ def enabled_features(environ: dict[str, str] | None = None) -> frozenset[str]:
 # stock vLLM hashing and attention whatever its text contains (a plain client whose prompt
 # happens to contain ``<file_sep>`` must not change how its tokens attend or hit).
 SPANS_OPT_IN_KEY = "minipic_spans"
+# Body field a client may add to a span prefill sent to a cluster (`minipic serve --replicas`):
+# the token ids of the final prompt the prefill serves, so the router sends the prefill where
+# that final will go. The cluster's ingress removes it before vLLM sees the body.
+ROUTE_AS_KEY = "minipic_route_as"
 
 
 def spans_opted_in(sampling_params: object) -> bool:

@@ -67,7 +67,8 @@ class SimulatedEngine:
             prev = h
         return out
 
-    async def generate(self, token_ids, *, sampling, cache_salt=None, request_id=None):
+    async def generate(self, token_ids, *, sampling, cache_salt=None, request_id=None,
+                       route_as=None):
         ids = list(token_ids)
         self.calls.append(tuple(ids))
         if self.fail_next:

@@ -93,7 +93,7 @@ STAND_IN = textwrap.dedent("""
 
 @pytest.mark.fast
 def test_supervisor_killed_takes_its_server_group_along(leftovers) -> None:
-    runner = ("import os, sys; from minipic.supervise import supervise; "
+    runner = ("import os, sys; from serving.supervise import supervise; "
               f"sys.exit(supervise([sys.executable, '-c', {STAND_IN!r}], os.environ))")
     sup = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE,
                            start_new_session=True)

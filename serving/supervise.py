@@ -17,7 +17,8 @@ stay in their parent's process group, though. So:
   minutes). A second signal, or a shutdown slower than ``SHUTDOWN_GRACE_S``, kills the group.
   Whatever is left of the group after the server exits is stopped too.
 
-The guard is this module run as ``python -m minipic.supervise FD``; it imports nothing heavy.
+The guard is this module run as ``python -m serving.supervise FD``; it imports nothing heavy.
+``GuardedProcess`` gives a Ray Serve replica the same guarantee for its server.
 """
 
 from __future__ import annotations
@@ -103,6 +104,50 @@ def guard(fd: int, grace_s: float = GUARD_GRACE_S) -> int:
     return 0
 
 
+def start_guard() -> tuple[subprocess.Popen[bytes], int]:
+    """Start the guard process; returns it and the write end of its pipe (write a process
+    group id there to have the guard stop that group once this process is gone)."""
+    read_fd, write_fd = os.pipe()  # both ends non-inheritable (PEP 446)
+    guard_proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.supervise", str(read_fd)],
+        pass_fds=(read_fd,), stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    os.close(read_fd)
+    return guard_proc, write_fd
+
+
+class GuardedProcess:
+    """A server started in a process group of its own that dies with the process that started
+    it, however that one ends (a Ray replica actor killed with SIGKILL included); for callers
+    that cannot block in ``Supervisor.run``."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], **popen: Any) -> None:
+        self._guard, self._write_fd = start_guard()
+        self.process = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
+                                        **popen)
+        os.write(self._write_fd, f"{self.process.pid}\n".encode())
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """SIGTERM the group, SIGKILL it after ``grace_s``; release the guard."""
+        if self._write_fd < 0:
+            return
+        stop_group(self.process.pid, grace_s)
+        self.process.poll()
+        os.close(self._write_fd)
+        self._write_fd = -1
+        try:
+            self._guard.wait(timeout=GUARD_GRACE_S + 5)
+        except subprocess.TimeoutExpired:
+            self._guard.kill()
+
+
 class Supervisor:
     """``minipic serve``'s own process: starts the guard and the server, forwards stop
     signals, and returns the server's exit status (0 after a requested stop)."""
@@ -134,12 +179,7 @@ class Supervisor:
             _kill_group(server.pid)
 
     def run(self) -> int:
-        read_fd, write_fd = os.pipe()  # both ends non-inheritable (PEP 446)
-        guard_proc = subprocess.Popen(
-            [sys.executable, "-m", "minipic.supervise", str(read_fd)],
-            pass_fds=(read_fd,), stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        os.close(read_fd)
+        guard_proc, write_fd = start_guard()
         previous: dict[int, Any] = {}
         try:
             self.server = subprocess.Popen(self.argv, env=self.env, start_new_session=True)

@@ -1,0 +1,193 @@
+"""The cluster's front door: one URL with the routes of ``minipic serve``, in front of N replicas.
+
+A client (``Orchestrator.connect(url)``, the ``openai`` client, curl) cannot tell it from one
+``minipic serve``: the same OpenAI routes, bodies and errors, and ``GET /minipic/config`` with the
+replicas' span config. What differs is said in that config's ``cluster`` entry; its ``instance``
+is the cluster's, not a replica's, because a replica restarting loses only its own cache.
+
+Per request the ingress computes the prompt's block hashes (``serving.request_blocks``: the
+engine's hasher), hands the request to the engine deployment through Ray, whose request router
+(``serving.span_router``) picks the replica, and relays the answer. A replica that dies before it
+produced anything is retried on another (``MAX_ATTEMPTS``, with backoff): its questions are
+answered elsewhere, none is lost. A stream cut after its first bytes ends with an explicit error
+event, never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from engine_ext.endpoints import RESET_PATH
+from serving.request_blocks import HashSetup, RequestBlockHasher, RoutedRequest
+from span_contract.engine_config import EngineSettings
+
+MAX_ATTEMPTS = 3
+RETRY_BACKOFF_S = 0.5
+REPLICA_HEADER = "x-minipic-replica"
+ENGINE_DEPLOYMENT = "engine"
+
+app = FastAPI(title="minipic cluster")
+
+
+def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+    """vLLM's error body, so clients parse cluster errors as they parse a server's."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                   "code": status}}, status_code=status)
+
+
+class _ReplicaLost(Exception):
+    pass
+
+
+@serve.ingress(app)
+class ClusterIngress:
+    def __init__(self, engine: Any, settings_json: str, *, instance: str, replicas: int,
+                 router: str, hash_setup: HashSetup) -> None:
+        settings = EngineSettings.model_validate_json(settings_json)
+        self.engine = engine
+        self.instance = instance
+        self.cluster = {"replicas": replicas, "router": router,
+                        "route_hints": router == "span"}
+        self.hasher = RequestBlockHasher(hash_setup, settings.model)
+        self.retries = 0
+
+    # -- OpenAI routes --------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve("completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._serve("chat", request)
+
+    @app.get("/v1/models")
+    async def models(self) -> Response:
+        return await self._get("/v1/models")
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        return await self._get("/health")
+
+    @app.get("/minipic/config")
+    async def config(self) -> Response:
+        status, body = await self._replica_get("/minipic/config")
+        if status == 200 and isinstance(body, dict):
+            body = {**body, "instance": self.instance, "cluster": self.cluster,
+                    "cache_reset": False}
+        return JSONResponse(body, status_code=status)
+
+    @app.post(RESET_PATH)
+    async def reset(self) -> Response:
+        return _error(501, "a cluster has no single prefix cache to reset: each replica keeps "
+                           "its own (restart the deployment to start cold)", "NotImplemented")
+
+    # -- the router's view ------------------------------------------------------------------------
+
+    @app.get("/minipic/cluster")
+    async def cluster_state(self) -> Response:
+        router = self._router()
+        state = router.state() if router is not None else {"router": self.cluster["router"]}
+        return JSONResponse({**state, "cluster": self.cluster, "ingress_retries": self.retries})
+
+    @app.post("/minipic/cluster/held")
+    async def held(self, request: Request) -> Response:
+        """What the router believes each replica holds of this (completion) body's blocks."""
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        router = self._router()
+        if router is None:
+            return _error(404, f"router {self.cluster['router']!r} keeps no block index",
+                          "NotFound")
+        routed = self.hasher.routed("chat" if "messages" in body else "completions", body)
+        return JSONResponse({"block_hashes": len(routed.block_hashes),
+                             "held": router.held_by(routed.block_hashes)})
+
+    def _router(self) -> Any:
+        from serving import router_registry
+
+        return router_registry.lookup(ENGINE_DEPLOYMENT)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict[str, Any] | Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, ValueError) as exc:
+            return _error(400, f"the request body is not JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        return body
+
+    async def _serve(self, route: str, request: Request) -> Response:
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        routed = await asyncio.to_thread(self.hasher.routed, route, body)
+        reason = "no replica answered"
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt:
+                self.retries += 1
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+            try:
+                return await self._attempt(routed)
+            except _ReplicaLost as exc:
+                reason = str(exc)
+        return _error(503, f"the request failed on {MAX_ATTEMPTS} replicas; last: {reason}",
+                      "ServiceUnavailableError")
+
+    async def _attempt(self, routed: RoutedRequest) -> Response:
+        stream = self.engine.options(stream=True).forward.remote(routed)
+        try:
+            head = await stream.__anext__()
+        except (RayActorError, ActorUnavailableError) as exc:
+            raise _ReplicaLost(f"{type(exc).__name__}: {exc}") from None
+        if "retry" in head:
+            raise _ReplicaLost(head["retry"])
+        headers = {REPLICA_HEADER: str(head.get("replica", ""))}
+        if not routed.body.get("stream"):
+            chunks = []
+            try:
+                async for chunk in stream:
+                    if isinstance(chunk, dict):
+                        raise _ReplicaLost(chunk.get("retry", "replica lost"))
+                    chunks.append(chunk)
+            except (RayActorError, ActorUnavailableError) as exc:
+                raise _ReplicaLost(f"{type(exc).__name__}: {exc}") from None
+            return Response(b"".join(chunks), status_code=head["status"],
+                            media_type=head["media_type"], headers=headers)
+        return StreamingResponse(self._relay(stream), status_code=head["status"],
+                                 media_type=head["media_type"], headers=headers)
+
+    async def _relay(self, stream: Any) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in stream:
+                if isinstance(chunk, dict):
+                    raise _ReplicaLost(chunk.get("retry", "replica lost"))
+                yield chunk
+        except (RayActorError, ActorUnavailableError, _ReplicaLost) as exc:
+            error = {"error": {"message": f"the replica was lost mid-stream: {exc}",
+                               "type": "ServiceUnavailableError", "code": 503}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+
+    async def _replica_get(self, path: str) -> tuple[int, Any]:
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                return await self.engine.get.remote(path)
+            except (RayActorError, ActorUnavailableError):
+                await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
+        return 503, {"error": {"message": "no replica answered", "code": 503}}
+
+    async def _get(self, path: str) -> Response:
+        status, body = await self._replica_get(path)
+        return JSONResponse(body, status_code=status)

@@ -1,0 +1,166 @@
+"""A request's block hashes, computed by the router exactly as the engine will compute them.
+
+Why not a hash of our own: the router matches requests against the hashes replicas announce in
+their KV events, so both must come from one implementation. This module builds a real vLLM
+``Request`` with minipic's block hasher (``engine_ext.span_hashing.make_span_block_hasher``, the
+function the EngineCore runs) and converts each hash the way vLLM's event publisher does
+(``maybe_convert_block_hash``). What the engine's hash depends on travels with it:
+
+* the span config (block size, SSEP / PDEP ids) — the deployment's own;
+* the hash algorithm and the seed of vLLM's root hash ``NONE_HASH`` (``PYTHONHASHSEED`` or vLLM's
+  fixed default for sha256; a random per-process seed — xxhash without ``PYTHONHASHSEED`` —
+  makes hashes unmatchable, and ``HashSetup.matchable`` says so);
+* the request's ``cache_salt`` and its span opt-in (``vllm_xargs.minipic_spans``): a request that
+  did not opt in is hashed with vLLM's stock chain, as the engine hashes it;
+* the token ids the engine sees: token-id prompts as sent; text prompts and chat messages through
+  the model's tokenizer (its chat template for chat). A tokenization that differed from the
+  server's would only cost affinity, never an answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig
+
+
+def none_hash_seed(algo: str, environ: dict[str, str] | None = None) -> str | None:
+    """The seed vLLM derives ``NONE_HASH`` from in a process with ``environ``; None when it is
+    random per process (so no other process can reproduce the engine's hashes)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    env = os.environ if environ is None else environ
+    seed = env.get("PYTHONHASHSEED")
+    if seed is not None:
+        return seed
+    if get_hash_fn_by_name(algo) in kcu._NON_CRYPTO_HASH_FUNCTIONS:
+        return None
+    return kcu.DEFAULT_NONE_HASH_SEED
+
+
+@dataclass(frozen=True)
+class HashSetup:
+    """What, besides the tokens, fixes a replica's block hashes."""
+
+    span_config: SpanConfig
+    algo: str = "sha256"
+    seed: str | None = None  # None: random per engine process
+
+    @property
+    def matchable(self) -> bool:
+        return self.seed is not None
+
+    def fingerprint(self) -> str:
+        raw = f"{self.span_config.model_dump_json()}|{self.algo}|{self.seed}"
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+@dataclass
+class RoutedRequest:
+    """What the ingress hands to a replica through Ray (and what routers read).
+
+    ``prompt`` is text for prefix-matching routers (Ray's ``PrefixCacheAffinityRouter`` reads a
+    ``.prompt`` attribute): token-id prompts are written out as their ids, which makes a character
+    prefix a token prefix. ``block_hashes`` are the engine's hashes of the prompt (``route_as``'s
+    when the client named the final this prefill serves); ``group`` identifies that final prompt,
+    so a question's prefills and its final share a replica.
+    """
+
+    route: str
+    body: dict[str, Any]
+    prompt: str = ""
+    block_hashes: list[int] = field(default_factory=list)
+    group: int | None = None
+    hash_ms: float = 0.0
+
+
+class RequestBlockHasher:
+    """Block hashes of OpenAI request bodies, for one hash setup and one tokenizer."""
+
+    def __init__(self, setup: HashSetup, tokenizer_path: str | None) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils as kcu
+
+        from engine_ext.span_hashing import make_span_block_hasher
+
+        self.setup = setup
+        self._hash_fn = get_hash_fn_by_name(setup.algo)
+        if setup.seed is not None:
+            # hash_block_tokens reads vLLM's module-level root hash: set it as the engine did
+            kcu._NONE_HASH_SEED = setup.seed
+            kcu.NONE_HASH = kcu.BlockHash(self._hash_fn(setup.seed))
+        self._hasher = make_span_block_hasher(setup.span_config.block_size, self._hash_fn,
+                                              setup.span_config)
+        self._convert: Callable[[Any], int] = kcu.maybe_convert_block_hash
+        self._tokenizer_path = tokenizer_path
+
+    @functools.cached_property
+    def _tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self._tokenizer_path)
+
+    def token_ids(self, route: str, body: dict[str, Any],
+                  prompt: Any = None) -> list[list[int]]:
+        """The prompts of a body (or ``prompt`` in its place) as token ids ([] when they
+        cannot be read: no affinity)."""
+        if route == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or self._tokenizer_path is None:
+                return []
+            try:
+                ids = self._tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True)
+            except Exception:  # a template error is the server's to report, not the router's
+                return []
+            return [list(ids["input_ids"] if isinstance(ids, dict) else ids)]
+        prompt = body.get("prompt") if prompt is None else prompt
+        prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(
+            prompt[0], int) else [prompt]
+        out = []
+        for p in prompts:
+            if isinstance(p, list) and all(isinstance(t, int) and t >= 0 for t in p):
+                out.append(p)
+            elif isinstance(p, str) and self._tokenizer_path is not None:
+                out.append(self._tokenizer(p)["input_ids"])
+        return out
+
+    def hashes(self, token_ids: Sequence[int], *, opted_in: bool,
+               cache_salt: str | None) -> list[int]:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=1,
+                                extra_args={SPANS_OPT_IN_KEY: True} if opted_in else None)
+        request = Request("minipic-route", list(token_ids), params, None,
+                          cache_salt=cache_salt, block_hasher=self._hasher)
+        return [self._convert(h) for h in request.block_hashes]
+
+    def routed(self, route: str, body: dict[str, Any]) -> RoutedRequest:
+        """The request as the router sees it; the routing-only field is taken out of the body."""
+        import time
+
+        start = time.perf_counter()
+        body = dict(body)
+        route_as = body.pop(ROUTE_AS_KEY, None)
+        prompts = self.token_ids(route, body)
+        targets = self.token_ids(route, body, route_as) if route_as is not None else prompts
+        xargs = body.get("vllm_xargs")
+        opted_in = isinstance(xargs, dict) and xargs.get(SPANS_OPT_IN_KEY) is True
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        hashes: list[int] = []
+        if self.setup.matchable:
+            for ids in targets:
+                hashes += self.hashes(ids, opted_in=opted_in, cache_salt=salt)
+        group = hash(tuple(hashes)) if hashes else None
+        text = " ".join(" ".join(map(str, ids)) for ids in prompts) if prompts else ""
+        if route == "completions" and isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        return RoutedRequest(route=route, body=body, prompt=text, block_hashes=hashes,
+                             group=group, hash_ms=(time.perf_counter() - start) * 1e3)

@@ -1,0 +1,230 @@
+"""Where the replica is chosen: a Ray Serve request router that knows where spans are cached.
+
+Prefix-affinity routers (Ray's ``PrefixCacheAffinityRouter``, SGLang's, llm-d's, Dynamo's) score
+a replica by the *leading run* of a prompt it holds. A minipic span hashes the same at any offset
+(``engine_ext/span_hashing.py``) and each engine reuses it past misses
+(``engine_ext/hole_lookup.py``), so this router scores a replica by how many of the request's
+block hashes it holds **anywhere** in the prompt, as learned from the replicas' own KV events
+(``serving/kv_events.py``) plus the blocks it just sent them (``serving/block_index.py``).
+
+The policy, in order:
+
+1. **Question affinity.** A span prefill that names its final prompt (``minipic_route_as``, sent by
+   minipic's client to a cluster) carries the final's hashes and group, so the prefill goes where
+   the final will go and the final follows (``group_ttl_s``): a question's spans meet on one
+   replica even when all of them were cold.
+2. **Most held blocks wins**; replicas holding equally many form one rank, within which Ray picks
+   the shortest queue.
+3. **Hot spots spread.** When the best holder has ``max_imbalance`` more requests in flight (from
+   this router) than the least-loaded replica, the request goes by load instead. This is the only
+   way a span gets a second copy: a span is replicated exactly when the replicas holding it are
+   too busy to take its traffic, and never merely because it is popular.
+4. Nothing held anywhere (or no hashes: unreadable prompt, unmatchable hash setup): load only.
+
+A replica whose hash setup differs from the ingress's (``hash_fingerprint``) is routed by load
+only: its events could never match. A wrong belief costs a recomputed span, never an answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from serving import router_registry
+from serving.block_index import BlockIndex
+from serving.kv_events import EventSource, KvEventSubscriber
+from serving.request_blocks import RoutedRequest
+
+log = logging.getLogger(__name__)
+
+def replica_key(replica_id: ReplicaID) -> str:
+    return replica_id.unique_id
+
+
+class SpanAffinityRouter(FIFOMixin, RequestRouter):
+    """Score replicas by the request's span blocks they hold, anywhere in the prompt."""
+
+    def initialize_state(self, hash_fingerprint: str | None = None, max_imbalance: int = 4,
+                         expect_ttl_s: float = 30.0, group_ttl_s: float = 120.0) -> None:
+        self.hash_fingerprint = hash_fingerprint
+        self.max_imbalance = max_imbalance
+        self.group_ttl_s = group_ttl_s
+        self.index = BlockIndex(expect_ttl_s=expect_ttl_s)
+        self.events = KvEventSubscriber(self.index)
+        self.in_flight: Counter[str] = Counter()
+        self._groups: dict[int, tuple[str, float]] = {}
+        self._sources: dict[str, EventSource] = {}
+        self.decisions: Counter[str] = Counter()  # why requests went where they went
+        self.choose_ms = 0.0
+        self.chosen = 0
+        router_registry.register(self._deployment_id.name, self)
+
+    # -- replicas and their event streams -------------------------------------------------------
+
+    def _matchable(self, replica: RunningReplica) -> bool:
+        stats = replica.routing_stats or {}
+        return bool(stats.get("kv_events")) and (
+            self.hash_fingerprint is None or stats.get("hash_fingerprint") == self.hash_fingerprint)
+
+    def _sync_sources(self) -> None:
+        sources = {}
+        for replica in self._replicas.values():
+            stats = replica.routing_stats or {}
+            if self._matchable(replica):
+                sources[replica_key(replica.replica_id)] = EventSource(
+                    stats["kv_events"], stats.get("kv_replay"))
+        if sources != self._sources:
+            self._sources = sources
+            self.events.set_sources(sources)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {replica_key(r.replica_id) for r in replicas}
+        for key in set(self.in_flight) - live:
+            del self.in_flight[key]
+        self._sync_sources()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        key = replica_key(replica_id)
+        self.index.forget(key)
+        self._groups = {g: v for g, v in self._groups.items() if v[0] != key}
+        self._sync_sources()
+
+    # -- the decision ---------------------------------------------------------------------------
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        start = time.perf_counter()
+        try:
+            self._sync_sources()
+            return self._rank(candidate_replicas, _routed(pending_request))
+        finally:
+            self.choose_ms += (time.perf_counter() - start) * 1e3
+            self.chosen += 1
+
+    def _rank(self, candidates: list[RunningReplica],
+              request: RoutedRequest | None) -> list[list[RunningReplica]]:
+        if not candidates:
+            return []
+        by_key = {replica_key(r.replica_id): r for r in candidates}
+        if request is None or not request.block_hashes:
+            self.decisions["load:no-hashes"] += 1
+            return [candidates]
+        least = min(self.in_flight.get(k, 0) for k in by_key)
+
+        def too_busy(key: str) -> bool:
+            return self.in_flight.get(key, 0) - least > self.max_imbalance
+
+        pinned = self._group_replica(request.group)
+        if pinned in by_key and not too_busy(pinned):
+            self.decisions["group"] += 1
+            return [[by_key[pinned]], [r for k, r in by_key.items() if k != pinned]]
+        matchable = [k for k, r in by_key.items() if self._matchable(r)]
+        held = self.index.held(request.block_hashes, matchable)
+        best = max(held.values(), default=0)
+        if best == 0:
+            self.decisions["load:nothing-held"] += 1
+            return [candidates]
+        holders = [k for k, n in held.items() if n == best and not too_busy(k)]
+        if not holders:
+            self.decisions["load:holders-busy"] += 1
+            return [candidates]
+        self.decisions["held"] += 1
+        ranks = [[by_key[k] for k in holders]]
+        for score in sorted({n for n in held.values() if n < best}, reverse=True):
+            ranks.append([by_key[k] for k, n in held.items() if n == score])
+        rest = [r for k, r in by_key.items() if k not in held]
+        return ranks + ([rest] if rest else [])
+
+    def _group_replica(self, group: int | None) -> str | None:
+        if group is None:
+            return None
+        entry = self._groups.get(group)
+        if entry is None or entry[1] < time.monotonic():
+            self._groups.pop(group, None)
+            return None
+        return entry[0]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: Any) -> None:
+        key = replica_key(replica_id)
+        self.in_flight[key] += 1
+        request = _routed(pending_request)
+        if request is None or not request.block_hashes:
+            return
+        self.index.expect(key, request.block_hashes)
+        if request.group is not None:
+            self._groups[request.group] = (key, time.monotonic() + self.group_ttl_s)
+            if len(self._groups) > 100_000:  # bounded: drop the oldest pins
+                for g in list(self._groups)[:10_000]:
+                    del self._groups[g]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        key = replica_key(replica_id)
+        if self.in_flight.get(key, 0) > 0:
+            self.in_flight[key] -= 1
+
+    # -- introspection (GET /minipic/cluster) ---------------------------------------------------
+
+    def held_by(self, hashes: list[int]) -> dict[str, int]:
+        return self.index.held(hashes, [replica_key(r) for r in self._replicas])
+
+    def state(self) -> dict[str, Any]:
+        stats = self.events.stats()
+        sizes = self.index.sizes()
+        replicas = {}
+        for rid, replica in self._replicas.items():
+            key = replica_key(rid)
+            s = stats.get(key)
+            replicas[key] = {
+                "blocks_held": sizes.get(key, 0),
+                "in_flight": self.in_flight.get(key, 0),
+                "matchable": self._matchable(replica),
+                "http": (replica.routing_stats or {}).get("http"),
+                "events": vars(s) if s else None,
+            }
+        return {
+            "router": type(self).__name__,
+            "replicas": replicas,
+            "decisions": dict(self.decisions),
+            "choose_ms_mean": self.choose_ms / self.chosen if self.chosen else 0.0,
+            "max_imbalance": self.max_imbalance,
+        }
+
+
+class RoundRobinRouter(RequestRouter):
+    """Baseline: replicas in turn, whatever they hold (for benchmarks)."""
+
+    def initialize_state(self, **_: Any) -> None:
+        self._turn = 0
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        self._turn += 1
+        first = self._turn % len(ordered)
+        return [[r] for r in ordered[first:] + ordered[:first]]
+
+
+def _routed(pending_request: PendingRequest | None) -> RoutedRequest | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    arg = pending_request.args[0]
+    return arg if isinstance(arg, RoutedRequest) else None
