@@ -18,6 +18,7 @@ workers too, and SIGTERM / SIGINT shut it down in order. ``--enable-cache-reset`
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -188,12 +189,16 @@ def run_replicas(args: argparse.Namespace, settings: EngineSettings, extra: list
               f"({' '.join(extra)}); set them through minipic's flags", file=sys.stderr)
         return 2
     try:
-        from serving.cluster_app import run_cluster
+        import ray.serve  # noqa: F401
     except ImportError as exc:
         print(f"minipic serve: error: --replicas needs Ray Serve ({exc}); "
-              "pip install 'ray[serve]==2.60.0'", file=sys.stderr)
+              "pip install 'minipic[cluster]'", file=sys.stderr)
         return 2
-    return run_cluster(settings, replicas=args.replicas, host=args.host, port=args.port,
-                       router=args.router, served_name=args.served_model_name,
-                       address=args.ray_address, replicas_per_node=args.replicas_per_node,
-                       enable_cache_reset=args.enable_cache_reset)
+    params = dict(settings=settings.model_dump_json(), replicas=args.replicas, host=args.host,
+                  port=args.port, router=args.router, served_name=args.served_model_name,
+                  address=args.ray_address, replicas_per_node=args.replicas_per_node,
+                  enable_cache_reset=args.enable_cache_reset)
+    argv = [sys.executable, "-m", "serving.cluster_app", json.dumps(params)]
+    # the Ray driver stops the cluster in order on SIGTERM / SIGINT; the group (Ray's own
+    # processes) is stopped whatever is left, and by the guard if this process is killed
+    return supervise(argv, dict(os.environ), signal_group=False)

@@ -112,3 +112,18 @@ def run_cluster(settings: EngineSettings, *, replicas: int, host: str, port: int
                 serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m serving.cluster_app JSON``: the Ray driver ``minipic serve --replicas`` runs
+    under its supervisor (so a SIGKILLed ``minipic serve`` takes Ray's own processes down too).
+    JSON: ``run_cluster``'s keyword arguments, with ``settings`` as EngineSettings JSON."""
+    import json
+
+    params = json.loads(argv[0])
+    settings = EngineSettings.model_validate_json(params.pop("settings"))
+    return run_cluster(settings, **params)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

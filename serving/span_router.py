@@ -13,8 +13,8 @@ The policy, in order:
    minipic's client to a cluster) carries the final's hashes and group, so the prefill goes where
    the final will go and the final follows (``group_ttl_s``): a question's spans meet on one
    replica even when all of them were cold.
-2. **Most held blocks wins**; replicas holding equally many form one rank, within which Ray picks
-   the shortest queue.
+2. **Most held blocks wins**; among replicas holding equally many, the shortest queue (this
+   router's requests in flight, or Ray's queue length when higher).
 3. **Hot spots spread.** When the best holder has ``max_imbalance`` more requests in flight (from
    this router) than the least-loaded replica, the request goes by load instead. This is the only
    way a span gets a second copy: a span is replicated exactly when the replicas holding it are
@@ -28,6 +28,7 @@ only: its events could never match. A wrong belief costs a recomputed span, neve
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter
 from typing import Any
@@ -115,39 +116,52 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
             self.choose_ms += (time.perf_counter() - start) * 1e3
             self.chosen += 1
 
+    def _load(self, replica: RunningReplica) -> int:
+        """Requests in flight on a replica: this router's own count, or Ray's cached queue length
+        when that is higher (other ingress replicas send there too)."""
+        own = self.in_flight.get(replica_key(replica.replica_id), 0)
+        return max(own, self.replica_queue_len_cache.get(replica.replica_id) or 0)
+
     def _rank(self, candidates: list[RunningReplica],
               request: RoutedRequest | None) -> list[list[RunningReplica]]:
         if not candidates:
             return []
-        by_key = {replica_key(r.replica_id): r for r in candidates}
         if request is None or not request.block_hashes:
             self.decisions["load:no-hashes"] += 1
-            return [candidates]
-        least = min(self.in_flight.get(k, 0) for k in by_key)
+            return [candidates]  # Ray takes the shortest queue
+        by_key = {replica_key(r.replica_id): r for r in candidates}
+        load = {k: self._load(r) for k, r in by_key.items()}
+        least = min(load.values())
 
         def too_busy(key: str) -> bool:
-            return self.in_flight.get(key, 0) - least > self.max_imbalance
+            return load[key] - least > self.max_imbalance
 
-        pinned = self._group_replica(request.group)
-        if pinned in by_key and not too_busy(pinned):
-            self.decisions["group"] += 1
-            return [[by_key[pinned]], [r for k, r in by_key.items() if k != pinned]]
-        matchable = [k for k, r in by_key.items() if self._matchable(r)]
-        held = self.index.held(request.block_hashes, matchable)
-        best = max(held.values(), default=0)
-        if best == 0:
-            self.decisions["load:nothing-held"] += 1
-            return [candidates]
-        holders = [k for k, n in held.items() if n == best and not too_busy(k)]
-        if not holders:
-            self.decisions["load:holders-busy"] += 1
-            return [candidates]
-        self.decisions["held"] += 1
-        ranks = [[by_key[k] for k in holders]]
-        for score in sorted({n for n in held.values() if n < best}, reverse=True):
-            ranks.append([by_key[k] for k, n in held.items() if n == score])
-        rest = [r for k, r in by_key.items() if k not in held]
-        return ranks + ([rest] if rest else [])
+        chosen = self._group_replica(request.group)
+        if chosen in by_key and not too_busy(chosen):
+            why = "group"
+        else:
+            matchable = [k for k, r in by_key.items() if self._matchable(r)]
+            held = self.index.held(request.block_hashes, matchable)
+            best = max(held.values(), default=0)
+            holders = [k for k, n in held.items() if n == best and best > 0 and not too_busy(k)]
+            if holders:
+                why, pool = "held", holders
+            else:
+                why, pool = ("load:holders-busy" if best else "load:nothing-held"), list(by_key)
+            fewest = min(load[k] for k in pool)
+            chosen = random.choice([k for k in pool if load[k] == fewest])
+            if request.group is not None:
+                # pinned now, not when Ray reports the request routed: a question's prefills
+                # are sent together and must not each pick a replica by load
+                self._pin(request.group, chosen)
+        self.decisions[why] += 1
+        return [[by_key[chosen]], [r for k, r in by_key.items() if k != chosen]]
+
+    def _pin(self, group: int, key: str) -> None:
+        self._groups[group] = (key, time.monotonic() + self.group_ttl_s)
+        if len(self._groups) > 100_000:  # bounded: drop the oldest pins
+            for old in list(self._groups)[:10_000]:
+                del self._groups[old]
 
     def _group_replica(self, group: int | None) -> str | None:
         if group is None:
@@ -167,10 +181,7 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
             return
         self.index.expect(key, request.block_hashes)
         if request.group is not None:
-            self._groups[request.group] = (key, time.monotonic() + self.group_ttl_s)
-            if len(self._groups) > 100_000:  # bounded: drop the oldest pins
-                for g in list(self._groups)[:10_000]:
-                    del self._groups[g]
+            self._pin(request.group, key)  # where it went (Ray may have taken a later rank)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         key = replica_key(replica_id)

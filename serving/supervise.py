@@ -104,15 +104,21 @@ def guard(fd: int, grace_s: float = GUARD_GRACE_S) -> int:
     return 0
 
 
-def start_guard() -> tuple[subprocess.Popen[bytes], int]:
+def start_guard(detach: bool = False) -> tuple[subprocess.Popen[bytes], int]:
     """Start the guard process; returns it and the write end of its pipe (write a process
-    group id there to have the guard stop that group once this process is gone)."""
+    group id there to have the guard stop that group once this process is gone).
+
+    ``detach``: the guard forks away from its parent (the returned process is the short-lived
+    intermediate). Ray kills a dead worker's child processes, the guard included, but not their
+    children, so a guard left as a child of a Ray replica would die before doing its job."""
     read_fd, write_fd = os.pipe()  # both ends non-inheritable (PEP 446)
-    guard_proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.supervise", str(read_fd)],
-        pass_fds=(read_fd,), stdin=subprocess.DEVNULL, start_new_session=True,
-    )
+    argv = [sys.executable, "-m", "serving.supervise", str(read_fd)]
+    guard_proc = subprocess.Popen(argv + (["--detach"] if detach else []),
+                                  pass_fds=(read_fd,), stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
     os.close(read_fd)
+    if detach:
+        guard_proc.wait()
     return guard_proc, write_fd
 
 
@@ -122,7 +128,7 @@ class GuardedProcess:
     that cannot block in ``Supervisor.run``."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], **popen: Any) -> None:
-        self._guard, self._write_fd = start_guard()
+        self._guard, self._write_fd = start_guard(detach=True)
         self.process = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
                                         **popen)
         os.write(self._write_fd, f"{self.process.pid}\n".encode())
@@ -153,8 +159,11 @@ class Supervisor:
     signals, and returns the server's exit status (0 after a requested stop)."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str],
-                 grace_s: float = SHUTDOWN_GRACE_S) -> None:
+                 grace_s: float = SHUTDOWN_GRACE_S, signal_group: bool = True) -> None:
         self.argv = list(argv)
+        # False: a stop signal goes to the leader only, which stops its own children in order
+        # (a Ray driver); whatever is left of the group afterwards is still stopped
+        self.signal_group = signal_group
         self.env = dict(env)
         self.grace_s = grace_s
         self.server: subprocess.Popen[bytes] | None = None
@@ -170,7 +179,10 @@ class Supervisor:
             _say(f"{signal.Signals(signum).name}: shutting the server down")
             forward = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
             try:
-                os.killpg(server.pid, forward)
+                if self.signal_group:
+                    os.killpg(server.pid, forward)
+                else:
+                    server.send_signal(forward)
             except ProcessLookupError:
                 pass
         else:
@@ -222,10 +234,12 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def supervise(argv: Sequence[str], env: Mapping[str, str]) -> int:
+def supervise(argv: Sequence[str], env: Mapping[str, str], signal_group: bool = True) -> int:
     """Run ``argv`` as a supervised server (see the module docstring); its exit status."""
-    return Supervisor(argv, env).run()
+    return Supervisor(argv, env, signal_group=signal_group).run()
 
 
 if __name__ == "__main__":
+    if "--detach" in sys.argv[2:] and os.fork() > 0:
+        os._exit(0)  # the intermediate: the guard goes on as an orphan, outside Ray's reach
     sys.exit(guard(int(sys.argv[1])))
