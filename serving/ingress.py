@@ -58,6 +58,8 @@ class ClusterIngress:
                         "route_hints": router == "span"}
         self.hasher = RequestBlockHasher(hash_setup, settings.model)
         self.retries = 0
+        self.hash_ms = 0.0  # the router's cost in this process: hashing each request's blocks
+        self.hashed = 0
 
     # -- OpenAI routes --------------------------------------------------------------------------
 
@@ -96,7 +98,9 @@ class ClusterIngress:
     async def cluster_state(self) -> Response:
         router = self._router()
         state = router.state() if router is not None else {"router": self.cluster["router"]}
-        return JSONResponse({**state, "cluster": self.cluster, "ingress_retries": self.retries})
+        return JSONResponse({**state, "cluster": self.cluster, "ingress_retries": self.retries,
+                             "requests": self.hashed,
+                             "hash_ms_mean": self.hash_ms / self.hashed if self.hashed else 0.0})
 
     @app.post("/minipic/cluster/held")
     async def held(self, request: Request) -> Response:
@@ -134,6 +138,8 @@ class ClusterIngress:
         if isinstance(body, Response):
             return body
         routed = await asyncio.to_thread(self.hasher.routed, route, body)
+        self.hash_ms += routed.hash_ms
+        self.hashed += 1
         reason = "no replica answered"
         for attempt in range(MAX_ATTEMPTS):
             if attempt:
