@@ -80,8 +80,10 @@ class BlockIndex:
 
     # -- queries --------------------------------------------------------------------------------
 
-    def held(self, hashes: Sequence[int], replicas: Iterable[ReplicaKey]) -> dict[ReplicaKey, int]:
-        """How many of ``hashes`` each replica holds or is expected to hold, in any position."""
+    def held(self, hashes: Sequence[int], replicas: Iterable[ReplicaKey],
+             include_expected: bool = True) -> dict[ReplicaKey, int]:
+        """How many of ``hashes`` each replica holds (or, with ``include_expected``, is expected
+        to hold), in any position."""
         now = self._clock()
         wanted = set(hashes)
         out: dict[ReplicaKey, int] = {}
@@ -89,7 +91,7 @@ class BlockIndex:
             for replica in replicas:
                 stored = self._stored.get(replica)
                 n = len(wanted.intersection(stored)) if stored else 0
-                expected = self._expected.get(replica)
+                expected = self._expected.get(replica) if include_expected else None
                 if expected:
                     for h in wanted.difference(stored or ()):
                         deadline = expected.get(h)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,6 +48,15 @@ class _ReplicaLost(Exception):
     pass
 
 
+def running_replicas(app_name: str = "minipic") -> int:
+    overview = serve.status().applications.get(app_name)
+    engine = overview.deployments.get(ENGINE_DEPLOYMENT) if overview else None
+    if engine is None:
+        return 0
+    return sum(n for state, n in engine.replica_states.items()
+               if str(getattr(state, "value", state)) == "RUNNING")
+
+
 @serve.ingress(app)
 class ClusterIngress:
     def __init__(self, engine: Any, settings_json: str, *, instance: str, replicas: int,
@@ -58,6 +68,7 @@ class ClusterIngress:
                         "route_hints": router == "span"}
         self.hasher = RequestBlockHasher(hash_setup, settings.model)
         self.retries = 0
+        self._running_at, self._running_count = 0.0, 0
         self.hash_ms = 0.0  # the router's cost in this process: hashing each request's blocks
         self.hashed = 0
 
@@ -77,15 +88,31 @@ class ClusterIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
+        """200 while at least one replica runs (a cluster with a replica down still answers);
+        how many of them run is in ``GET /minipic/config`` (``cluster.running``)."""
+        if await self._running() == 0:
+            return _error(503, "no engine replica is running yet", "ServiceUnavailableError")
         return await self._get("/health")
 
     @app.get("/minipic/config")
     async def config(self) -> Response:
+        running = await self._running()
+        if running == 0:
+            return _error(503, "no engine replica is running yet", "ServiceUnavailableError")
         status, body = await self._replica_get("/minipic/config")
         if status == 200 and isinstance(body, dict):
-            body = {**body, "instance": self.instance, "cluster": self.cluster,
-                    "cache_reset": False}
+            body = {**body, "instance": self.instance,
+                    "cluster": {**self.cluster, "running": running}, "cache_reset": False}
         return JSONResponse(body, status_code=status)
+
+    async def _running(self) -> int:
+        """Running engine replicas, from Serve's controller (cached for a second): answering
+        "no replica" at once beats a request queued until one starts."""
+        now = time.monotonic()
+        if now - self._running_at > 1.0:
+            self._running_at = now
+            self._running_count = await asyncio.to_thread(running_replicas)
+        return self._running_count
 
     @app.post(RESET_PATH)
     async def reset(self) -> Response:
@@ -97,14 +124,16 @@ class ClusterIngress:
     @app.get("/minipic/cluster")
     async def cluster_state(self) -> Response:
         router = self._router()
-        state = router.state() if router is not None else {"router": self.cluster["router"]}
+        state = router.state() if router is not None else {"router": self.cluster["router"],
+                                                           "replicas": {}}
         return JSONResponse({**state, "cluster": self.cluster, "ingress_retries": self.retries,
                              "requests": self.hashed,
                              "hash_ms_mean": self.hash_ms / self.hashed if self.hashed else 0.0})
 
     @app.post("/minipic/cluster/held")
     async def held(self, request: Request) -> Response:
-        """What the router believes each replica holds of this (completion) body's blocks."""
+        """What the router believes each replica holds of this (completion) body's blocks:
+        ``stored`` from the engines' KV events alone, ``held`` with its recent sends too."""
         body = await self._body(request)
         if isinstance(body, Response):
             return body
@@ -114,7 +143,8 @@ class ClusterIngress:
                           "NotFound")
         routed = self.hasher.routed("chat" if "messages" in body else "completions", body)
         return JSONResponse({"block_hashes": len(routed.block_hashes),
-                             "held": router.held_by(routed.block_hashes)})
+                             "held": router.held_by(routed.block_hashes),
+                             "stored": router.held_by(routed.block_hashes, False)})
 
     def _router(self) -> Any:
         from serving import router_registry

@@ -190,8 +190,9 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
 
     # -- introspection (GET /minipic/cluster) ---------------------------------------------------
 
-    def held_by(self, hashes: list[int]) -> dict[str, int]:
-        return self.index.held(hashes, [replica_key(r) for r in self._replicas])
+    def held_by(self, hashes: list[int], include_expected: bool = True) -> dict[str, int]:
+        return self.index.held(hashes, [replica_key(r) for r in self._replicas],
+                               include_expected)
 
     def state(self) -> dict[str, Any]:
         stats = self.events.stats()
@@ -205,6 +206,8 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
                 "in_flight": self.in_flight.get(key, 0),
                 "matchable": self._matchable(replica),
                 "http": (replica.routing_stats or {}).get("http"),
+                "pids": {"replica": (replica.routing_stats or {}).get("replica_pid"),
+                         "server": (replica.routing_stats or {}).get("server_pid")},
                 "events": vars(s) if s else None,
             }
         return {

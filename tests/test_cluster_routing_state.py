@@ -1,0 +1,185 @@
+"""The router's knowledge without a cluster: the block index, and vLLM's real KV-event publisher
+followed through live batches, gaps (replayed), a replay buffer that moved on, and a restart.
+
+The publisher is vLLM's own ``ZmqEventPublisher`` on local ports; only the engine is absent.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from serving.block_index import BlockIndex
+
+pytestmark = pytest.mark.fast
+
+
+def _hashes(rng: random.Random, n: int) -> list[int]:
+    return [rng.getrandbits(63) | 1 for _ in range(n)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_index_counts_copies_and_finds_blocks_anywhere(seed: int) -> None:
+    rng = random.Random(seed)
+    index = BlockIndex()
+    a, b = _hashes(rng, 2), _hashes(rng, 3)
+    index.stored("r0", a)
+    index.stored("r1", b)
+    index.stored("r1", b[:1])  # vLLM may store one hash in two blocks
+    request = [rng.randrange(2**63), *reversed(b), *a]  # order and position do not matter
+    assert index.held(request, ["r0", "r1"]) == {"r0": 2, "r1": 3}
+    index.removed("r1", b[:1])
+    assert index.held(request, ["r1"]) == {"r1": 3}  # one copy left
+    index.removed("r1", b[:1])
+    assert index.held(request, ["r1"]) == {"r1": 2}
+    index.cleared("r0")
+    assert index.held(request, ["r0", "r1"]) == {"r0": 0, "r1": 2}
+
+
+def test_expectations_count_until_confirmed_or_lapsed() -> None:
+    clock = Clock()
+    index = BlockIndex(expect_ttl_s=10, clock=clock)
+    index.expect("r0", [1, 2, 3])
+    assert index.held([1, 2, 3, 4], ["r0"]) == {"r0": 3}
+    index.stored("r0", [1])  # confirmed: stays after the expectation would lapse
+    clock.now = 11
+    assert index.held([1, 2, 3], ["r0"]) == {"r0": 1}
+    assert index.snapshot() == {"r0": {1}}  # expectations are never reported as engine truth
+
+
+# -- KV events, from vLLM's real publisher ----------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Publisher:
+    def __init__(self, buffer_steps: int = 100) -> None:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        pub, replay = _free_port(), _free_port()
+        self.endpoint, self.replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+        self.pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{pub}",
+                                     replay_endpoint=f"tcp://*:{replay}",
+                                     buffer_steps=buffer_steps)
+
+    def stored(self, hashes: list[int]) -> None:
+        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+        self.pub.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+            block_hashes=hashes, parent_block_hash=None, token_ids=[0] * (32 * len(hashes)),
+            block_size=32, lora_id=None, medium="GPU", lora_name=None)]))
+
+    def removed(self, hashes: list[int]) -> None:
+        from vllm.distributed.kv_events import BlockRemoved, KVEventBatch
+
+        self.pub.publish(KVEventBatch(ts=time.time(), events=[
+            BlockRemoved(block_hashes=hashes, medium="GPU")]))
+
+    def cleared(self) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch
+
+        self.pub.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+
+    def close(self) -> None:
+        self.pub.shutdown()
+
+
+def _until(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def publisher():
+    pub = Publisher()
+    yield pub
+    pub.close()
+
+
+def test_subscriber_learns_earlier_and_live_events(publisher: Publisher, seed: int) -> None:
+    from serving.kv_events import EventSource, KvEventSubscriber
+
+    rng = random.Random(seed)
+    early, late = _hashes(rng, 4), _hashes(rng, 3)
+    publisher.stored(early)  # before the router existed: only the replay socket has it
+    time.sleep(0.3)
+    index = BlockIndex()
+    sub = KvEventSubscriber(index)
+    try:
+        sub.set_sources({"r0": EventSource(publisher.endpoint, publisher.replay)})
+        _until(lambda: index.snapshot().get("r0") == set(early))
+        time.sleep(0.3)  # the SUB socket's subscription reaches the publisher
+        publisher.stored(late)
+        publisher.removed(early[:1])
+        _until(lambda: index.snapshot().get("r0") == set(early[1:]) | set(late))
+        publisher.cleared()
+        _until(lambda: not index.snapshot().get("r0"))
+        stats = sub.stats()["r0"]
+        assert stats.gaps == 0 and stats.resets == 0 and stats.last_seq == 3
+        sub.set_sources({})  # the replica went away: forgotten
+        publisher.stored(late)
+        time.sleep(0.3)
+        assert "r0" not in index.snapshot()
+    finally:
+        sub.close()
+
+
+def _frames(seq: int, pub: Publisher, hashes: list[int]) -> list[bytes]:
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    batch = KVEventBatch(ts=0.0, events=[BlockStored(
+        block_hashes=hashes, parent_block_hash=None, token_ids=[0] * 32, block_size=32,
+        lora_id=None, medium="GPU", lora_name=None)])
+    return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.Encoder().encode(batch)]
+
+
+@pytest.mark.parametrize("buffer_steps", [100, 2])
+def test_gap_is_replayed_or_the_replica_is_cleared(buffer_steps: int, seed: int) -> None:
+    """A live batch arrives after missed ones: the replay fills the gap while the buffer
+    still has it; once the buffer moved on, the replica's holdings are dropped (routing by load
+    for it) rather than kept with a hole nobody knows about."""
+    from serving.kv_events import EventSource, KvEventSubscriber, _Sub
+
+    rng = random.Random(seed)
+    pub = Publisher(buffer_steps=buffer_steps)
+    index = BlockIndex()
+    sub = KvEventSubscriber(index)
+    try:
+        batches = [_hashes(rng, 2) for _ in range(6)]
+        for hashes in batches:
+            pub.stored(hashes)
+        time.sleep(0.3)
+        follow = _Sub(EventSource(pub.endpoint, pub.replay), socket=None)
+        sub._on_frames("r0", follow, _frames(0, pub, batches[0]))  # first batch seen live
+        sub._on_frames("r0", follow, _frames(5, pub, batches[5]))  # then 1..4 were missed
+        held = index.snapshot()["r0"]
+        assert follow.stats.gaps == 1
+        if buffer_steps >= 6:
+            assert held == {h for b in batches for h in b}
+            assert follow.stats.resets == 0 and follow.stats.last_seq == 5
+        else:
+            assert held == set(batches[5])  # what is known for sure after the reset
+            assert follow.stats.resets == 1
+        sub._on_frames("r0", follow, _frames(0, pub, batches[0]))  # seq restarts: new engine
+        assert index.snapshot()["r0"] == set(batches[0])
+    finally:
+        sub.close()
+        pub.close()
