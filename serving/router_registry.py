@@ -1,4 +1,4 @@
-"""The span routers living in this process, by deployment name.
+"""The span routers living in this process, by application name (one engine deployment each).
 
 Ray builds a request router inside each deployment handle and pickles the router's module by
 value, so the ingress cannot reach it through that module's globals; routers register here (an
@@ -13,9 +13,9 @@ from typing import Any
 _ROUTERS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
-def register(deployment: str, router: Any) -> None:
-    _ROUTERS[deployment] = router
+def register(app: str, router: Any) -> None:
+    _ROUTERS[app] = router
 
 
-def lookup(deployment: str) -> Any | None:
-    return _ROUTERS.get(deployment)
+def lookup(app: str) -> Any | None:
+    return _ROUTERS.get(app)

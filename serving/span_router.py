@@ -15,10 +15,11 @@ The policy, in order:
    replica even when all of them were cold.
 2. **Most held blocks wins**; among replicas holding equally many, the shortest queue (this
    router's requests in flight, or Ray's queue length when higher).
-3. **Hot spots spread.** When the best holder has ``max_imbalance`` more requests in flight (from
-   this router) than the least-loaded replica, the request goes by load instead. This is the only
-   way a span gets a second copy: a span is replicated exactly when the replicas holding it are
-   too busy to take its traffic, and never merely because it is popular.
+3. **Hot spots spread.** A replica with more than ``max_imbalance`` requests in flight above the
+   least-loaded one does not compete; the request goes to the best holder among the others
+   (``held:spread``), or by load when none of them holds anything (``load:holders-busy``). This is
+   the only way a span gets a second copy: a span is replicated exactly when the replicas holding
+   it are too busy to take its traffic, never merely because it is popular.
 4. Nothing held anywhere (or no hashes: unreadable prompt, unmatchable hash setup): load only.
 
 A replica whose hash setup differs from the ingress's (``hash_fingerprint``) is routed by load
@@ -68,7 +69,7 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
         self.decisions: Counter[str] = Counter()  # why requests went where they went
         self.choose_ms = 0.0
         self.chosen = 0
-        router_registry.register(self._deployment_id.name, self)
+        router_registry.register(self.app_name, self)
 
     # -- replicas and their event streams -------------------------------------------------------
 
@@ -79,7 +80,7 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
 
     def _sync_sources(self) -> None:
         sources = {}
-        for replica in self._replicas.values():
+        for replica in self.curr_replicas.values():
             stats = replica.routing_stats or {}
             if self._matchable(replica):
                 sources[replica_key(replica.replica_id)] = EventSource(
@@ -143,11 +144,15 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
             matchable = [k for k, r in by_key.items() if self._matchable(r)]
             held = self.index.held(request.block_hashes, matchable)
             best = max(held.values(), default=0)
-            holders = [k for k, n in held.items() if n == best and best > 0 and not too_busy(k)]
-            if holders:
-                why, pool = "held", holders
+            # replicas within max_imbalance of the least loaded compete on what they hold
+            fit = {k: held.get(k, 0) for k in by_key if not too_busy(k)}
+            fit_best = max(fit.values())
+            if fit_best > 0:
+                why = "held" if fit_best == best else "held:spread"
+                pool = [k for k, n in fit.items() if n == fit_best]
             else:
-                why, pool = ("load:holders-busy" if best else "load:nothing-held"), list(by_key)
+                why = "load:holders-busy" if best else "load:nothing-held"
+                pool = list(fit)
             fewest = min(load[k] for k in pool)
             chosen = random.choice([k for k in pool if load[k] == fewest])
             if request.group is not None:
@@ -191,14 +196,14 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
     # -- introspection (GET /minipic/cluster) ---------------------------------------------------
 
     def held_by(self, hashes: list[int], include_expected: bool = True) -> dict[str, int]:
-        return self.index.held(hashes, [replica_key(r) for r in self._replicas],
+        return self.index.held(hashes, [replica_key(r) for r in self.curr_replicas],
                                include_expected)
 
     def state(self) -> dict[str, Any]:
         stats = self.events.stats()
         sizes = self.index.sizes()
         replicas = {}
-        for rid, replica in self._replicas.items():
+        for rid, replica in self.curr_replicas.items():
             key = replica_key(rid)
             s = stats.get(key)
             replicas[key] = {

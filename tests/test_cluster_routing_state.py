@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -183,3 +185,67 @@ def test_gap_is_replayed_or_the_replica_is_cleared(buffer_steps: int, seed: int)
     finally:
         sub.close()
         pub.close()
+
+
+# -- the span router's policy, on Ray's own router and replica classes (no cluster) -----------
+
+
+@dataclass
+class Candidate:
+    """What ``choose_replicas`` reads of Ray's ``RunningReplica`` (whose constructor looks up
+    a live actor): its id and its routing stats."""
+
+    replica_id: Any
+    routing_stats: dict[str, Any]
+
+
+@pytest.fixture
+def router():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from serving.span_router import SpanAffinityRouter
+
+    deployment = DeploymentID(name="engine", app_name="policy-test")
+    r = SpanAffinityRouter(deployment_id=deployment,
+                           handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(hash_fingerprint="fp", max_imbalance=2)
+    replicas = [Candidate(ReplicaID(unique_id=f"r{i}", deployment_id=deployment),
+                          {"kv_events": f"tcp://127.0.0.1:{_free_port()}",
+                           "hash_fingerprint": "fp"}) for i in range(3)]
+    yield r, replicas  # candidates are passed to _rank, as Ray passes them to choose_replicas
+    r.events.close()
+
+
+def _first(ranks) -> str:
+    return ranks[0][0].replica_id.unique_id
+
+
+def test_policy_holder_then_hot_spot_then_group(router, seed: int) -> None:
+    from serving.request_blocks import RoutedRequest
+
+    r, replicas = router
+    rng = random.Random(seed)
+    span, other = _hashes(rng, 4), _hashes(rng, 4)
+    r.index.stored("r1", span)
+    r.index.stored("r2", span[:2])  # a partial holder ranks after the full one
+    ask = RoutedRequest(route="completions", body={}, block_hashes=[*other[:1], *span])
+    ranks = r._rank(replicas, ask)
+    assert _first(ranks) == "r1" and len(ranks[0]) == 1
+    # the holder is busy beyond max_imbalance: the span gets a second copy on an idle replica
+    r.in_flight["r1"] = 3
+    assert _first(r._rank(replicas, ask)) == "r2"  # r2 holds part of it and is idle
+    assert r.decisions["held:spread"] == 1
+    r.in_flight["r2"] = 3
+    assert _first(r._rank(replicas, ask)) == "r0"
+    assert r.decisions["load:holders-busy"] == 1
+    # nothing held: least loaded, and a question's later requests follow its first one
+    r.in_flight.clear()
+    r.in_flight.update({"r0": 1, "r1": 1})
+    cold = RoutedRequest(route="completions", body={}, block_hashes=other[1:], group=7)
+    assert _first(r._rank(replicas, cold)) == "r2"
+    r.in_flight["r2"] = 2  # still within max_imbalance of the others: the pin holds
+    assert _first(r._rank(replicas, cold)) == "r2" and r.decisions["group"] == 1
+    # a replica whose hash setup differs is never matched by hashes
+    assert r._matchable(replicas[0])
+    replicas[0].routing_stats["hash_fingerprint"] = "other"
+    assert not r._matchable(replicas[0])
