@@ -23,12 +23,13 @@ from span_contract.errors import (
     SpanTooLongError,
     UnavailableError,
 )
-from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig, spans_opted_in
+from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig, spans_opted_in
 
 # Light on purpose: vLLM's processes import this package through the plugin. Engine settings,
 # models and checkpoint settings are imported from their modules (span_contract.engine_config,
 # span_contract.models, span_contract.checkpoint_config).
 __all__ = [
+    "ROUTE_AS_KEY",
     "SPANS_OPT_IN_KEY",
     "BadInputError",
     "CacheMismatchError",
