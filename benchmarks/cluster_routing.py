@@ -82,32 +82,27 @@ def _tail(path: Path, lines: int = 30) -> str:
 class Server:
     """``minipic serve`` in a session of its own, its output in ``log``.
 
-    ``ready_line``: text the server prints once it is fully up. A cluster's ingress answers
-    ``GET /minipic/config`` as soon as ONE engine replica is up, so for ``--replicas N`` the
-    benchmark also waits for ``serving.cluster_app``'s "N replica(s)" line (printed when
-    ``serve.run`` returned: every replica running); measuring earlier would time a 1-replica
-    cluster."""
+    ``replicas``: a cluster answers ``GET /minipic/config`` as soon as ONE engine replica runs
+    (it serves with a replica down), so the benchmark waits until ``cluster.running`` reaches
+    N; measuring earlier would time a 1-replica cluster."""
 
-    def __init__(self, argv: list[str], log: Path, ready_line: str | None = None) -> None:
+    def __init__(self, argv: list[str], log: Path, replicas: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [sys.executable, "-m", "minipic.cli", "serve", "--port", str(self.port),
                      *argv]
         self.log = log
-        self.ready_line = ready_line
+        self.replicas = replicas
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def _announced(self) -> bool:
-        if self.ready_line is None:
+    def _ready(self, config: dict[str, Any]) -> bool:
+        if self.replicas is None:
             return True
-        try:
-            return self.ready_line in self.log.read_text(errors="replace")
-        except OSError:
-            return False
+        return (config.get("cluster") or {}).get("running", 0) >= self.replicas
 
     def start(self, timeout: float = HEALTH_TIMEOUT_S) -> float:
-        """Start and wait until ``GET /minipic/config`` answers 200 and the server announced
-        itself ready (``ready_line``); returns the seconds taken."""
+        """Start and wait until ``GET /minipic/config`` answers 200 with every replica running;
+        returns the seconds taken."""
         import httpx
 
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -121,8 +116,8 @@ class Server:
                 raise RuntimeError(f"minipic serve exited with {self.proc.returncode} during "
                                    f"start-up; {self.log} ends:\n{_tail(self.log)}")
             try:
-                if self._announced() and \
-                        httpx.get(self.url + CONFIG_PATH, timeout=5).status_code == 200:
+                response = httpx.get(self.url + CONFIG_PATH, timeout=5)
+                if response.status_code == 200 and self._ready(response.json()):
                     return time.monotonic() - started
             except httpx.HTTPError:
                 pass
@@ -235,8 +230,8 @@ def measure(name: str, serve_args: list[str], questions: list[dict[str, Any]],
     from orchestrator import SyncOrchestrator
 
     clustered = name != "single"
-    ready = f"minipic serve: {args.replicas} replica(s)" if clustered else None
-    server = Server(serve_args, args.out / "logs" / f"{name}.log", ready)
+    server = Server(serve_args, args.out / "logs" / f"{name}.log",
+                    args.replicas if clustered else None)
     row: dict[str, Any] = {"name": name, "serve_args": serve_args, "log": str(server.log)}
     try:
         step(f"{name}: starting minipic serve {' '.join(serve_args)}")
