@@ -53,6 +53,11 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=32,
                    help="KV block size; clients must pad spans to it (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048, help="default: %(default)s")
+    p.add_argument("--kv-cache-gib", type=float, default=None, metavar="GIB",
+                   help="CPU: KV cache size per server / replica in GiB "
+                        "(VLLM_CPU_KVCACHE_SPACE; default: that variable, else 2)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, metavar="F",
+                   help="GPU: share of each GPU's memory vLLM may use (default: %(default)s)")
     p.add_argument("--dtype", default=None,
                    help="default: float32; with --ckpt-budget: auto (the model's dtype; the CPU "
                         "GDN kernel of hybrid models needs bfloat16)")
@@ -143,6 +148,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_model_len=args.max_model_len,
         dtype=dtype,
         enforce_eager=args.eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         pic=not args.no_pic,
         features=features,
         ckpt=ckpt,
@@ -155,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"minipic serve: error: {exc}", file=sys.stderr)
         return 2
+    if args.kv_cache_gib is not None:  # read by EngineSettings.plugin_env, here and in replicas
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
     extra = list(args.vllm_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]

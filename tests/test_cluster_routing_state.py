@@ -249,3 +249,17 @@ def test_policy_holder_then_hot_spot_then_group(router, seed: int) -> None:
     assert r._matchable(replicas[0])
     replicas[0].routing_stats["hash_fingerprint"] = "other"
     assert not r._matchable(replicas[0])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replicas", "0"], "at least 1"),
+    (["--replicas", "2", "--no-pic"], "needs the plugin"),
+    (["--replicas", "2", "--", "--max-num-seqs", "4"], "not passed to replicas"),
+])
+def test_serve_replicas_refuses_bad_flags_clearly(argv: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "minipic.cli", "serve", "--model", "tiny-llama",
+                           *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
