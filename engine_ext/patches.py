@@ -124,6 +124,19 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("ckpt", "vllm.v1.engine.input_processor:InputProcessor._validate_params",
                ("self", "params", "supported_tasks"),
                "a bad per-request plan must be a 400 in the front-end, not an engine error"),
+    # -- route: not patched, but called outside the engine by the cluster router, which must
+    # hash requests exactly as the EngineCore does (serving/request_blocks.py)
+    PatchPoint("route", "vllm.v1.request:Request.__init__",
+               ("self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params",
+                "client_index", "arrival_time", "prompt_embeds", "prompt_is_token_ids",
+                "mm_features", "lora_request", "cache_salt", "priority", "trace_headers",
+                "block_hasher", "resumable", "session_id", "reasoning_ended",
+                "reasoning_parser_kwargs", "abort_immediately", "kv_hints"),
+               "a request's block hashes are computed by building the engine's Request"),
+    PatchPoint("route", "vllm.v1.core.kv_cache_utils:init_none_hash", ("hash_fn",),
+               "the root of every hash chain, derived from the replicas' seed"),
+    PatchPoint("route", "vllm.v1.core.kv_cache_utils:maybe_convert_block_hash", ("hash_bytes",),
+               "KV events carry hashes converted by this function"),
 )
 
 

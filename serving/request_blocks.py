@@ -102,8 +102,14 @@ class RequestBlockHasher:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core import kv_cache_utils as kcu
 
+        from engine_ext import patches
         from engine_ext.span_hashing import make_span_block_hasher
 
+        found = patches.problems("route")
+        if found:  # hashes that silently differ from the engine's would route nothing
+            raise patches.EngineIntegrationError(
+                "minipic's cluster router cannot hash requests as this vLLM's engine does:\n  "
+                + "\n  ".join(found))
         self.setup = setup
         self._hash_fn = get_hash_fn_by_name(setup.algo)
         if setup.seed is not None:

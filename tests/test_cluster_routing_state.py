@@ -263,3 +263,21 @@ def test_serve_replicas_refuses_bad_flags_clearly(argv: list[str], message: str)
     done = subprocess.run([sys.executable, "-m", "minipic.cli", "serve", "--model", "tiny-llama",
                            *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_router_refuses_a_vllm_whose_hashing_it_was_not_checked_against(monkeypatch) -> None:
+    """The router hashes with vLLM's own classes; if their signatures moved it must stop, not
+    route on hashes that silently differ from the engine's."""
+    from vllm.v1.core import kv_cache_utils
+
+    from serving.request_blocks import HashSetup, RequestBlockHasher, none_hash_seed
+    from span_contract.errors import EngineIntegrationError
+    from span_contract.span_config import SpanConfig
+
+    # this process's own seed: building a hasher sets vLLM's root hash for the process
+    setup = HashSetup(SpanConfig(block_size=32, ssep_id=1, pdep_id=2, pad_id=0),
+                      seed=none_hash_seed("sha256"))
+    RequestBlockHasher(setup, None)  # the installed vLLM: fine
+    monkeypatch.setattr(kv_cache_utils, "maybe_convert_block_hash", lambda h, bits=64: h)
+    with pytest.raises(EngineIntegrationError, match="maybe_convert_block_hash"):
+        RequestBlockHasher(setup, None)

@@ -95,7 +95,7 @@ def test_table_covers_every_wrapped_target() -> None:
     rows = table()
     assert len(rows) == len(PATCH_POINTS) and all(r["checked_against"] == VLLM_CHECKED
                                                   for r in rows)
-    assert {r["feature"] for r in rows} == {"hash", "holes", "rope", "ckpt"}
+    assert {r["feature"] for r in rows} == {"hash", "holes", "rope", "ckpt", "route"}
     assert all(r["why"] for r in rows)
 
 
