@@ -219,7 +219,10 @@ class ClusterIngress:
     async def _replica_get(self, path: str) -> tuple[int, Any]:
         for attempt in range(MAX_ATTEMPTS):
             try:
-                return await self.engine.get.remote(path)
+                # a RoutedRequest like every call through the handle: routers read its fields
+                # (Ray's prefix router fails on arguments without a non-empty ``prompt``)
+                return await self.engine.get.remote(
+                    RoutedRequest(route="get", body={"path": path}, prompt=path))
             except (RayActorError, ActorUnavailableError):
                 await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
         return 503, {"error": {"message": "no replica answered", "code": 503}}

@@ -155,8 +155,11 @@ class EngineReplica:
         except httpx.TransportError as exc:
             yield {"retry": f"replica {self.base_url}: {type(exc).__name__}: {exc}"}
 
-    async def get(self, path: str) -> tuple[int, Any]:
-        response = await self._client.get(path, timeout=30)
+    async def get(self, request: RoutedRequest) -> tuple[int, Any]:
+        """``GET request.body["path"]`` on this replica's server (models, health, config)."""
+        response = await self._client.get(request.body["path"], timeout=30)
+        if not response.content:
+            return response.status_code, {}
         try:
             return response.status_code, response.json()
         except ValueError:
