@@ -189,8 +189,12 @@ def test_prefix_cache_reset_over_http(dev_server: ServerProcess) -> None:
 
 def test_server_killed_and_restarted_mid_batch(dev_server: ServerProcess) -> None:
     patient = RetryPolicy(max_attempts=200, backoff_s=0.5, max_backoff_s=3, give_up_after_s=420)
+    # on_cold="retry": a final that still meets a span the crash took re-warms it and is sent
+    # again, so every answer below must end warm. (Once, in a full-suite run, one final found a
+    # span cold with the default "report"; it did not recur alone or under CPU load.)
     with SyncOrchestrator.connect(dev_server.base_url,
-                                  options={"retry": patient, "max_in_flight": 2}) as orc:
+                                  options={"retry": patient, "max_in_flight": 2,
+                                           "on_cold": "retry"}) as orc:
         batch = [(f"q{i}?", [doc(f"Kill{i}"), doc("KillShared")]) for i in range(16)]
         with orc.record_events() as log:
             pending = orc.submit(orc.aio.answer_many(batch, max_tokens=256))
@@ -209,4 +213,7 @@ def test_server_killed_and_restarted_mid_batch(dev_server: ServerProcess) -> Non
     assert all(isinstance(r, Answer) for r in results), [r for r in results
                                                          if not isinstance(r, Answer)]
     assert "registry_reset" in kinds and "retry" in kinds
-    assert all(r.cache_ok for r in results)
+    cold = [(r.question, r.cached_tokens, r.expected_cached_tokens, r.attempts,
+             [(s.span_id[:8], s.status, s.hit) for s in r.spans])
+            for r in results if not r.cache_ok]
+    assert not cold, (cold, [(e.kind, e.job, e.detail[:60]) for e in log][-80:])
