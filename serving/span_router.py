@@ -17,9 +17,10 @@ The policy, in order:
    router's requests in flight, or Ray's queue length when higher).
 3. **Hot spots spread.** A replica with more than ``max_imbalance`` requests in flight above the
    least-loaded one does not compete; the request goes to the best holder among the others
-   (``held:spread``), or by load when none of them holds anything (``load:holders-busy``). This is
-   the only way a span gets a second copy: a span is replicated exactly when the replicas holding
-   it are too busy to take its traffic, never merely because it is popular.
+   (``held:spread``), or by load when none of them holds anything (``load:holders-busy``). So a
+   span is never copied because it is popular: a second copy is made only when its holders are
+   too busy for its traffic, or when a question needs it beside spans held elsewhere (its final
+   goes where most of its blocks are and computes the rest there).
 4. Nothing held anywhere (or no hashes: unreadable prompt, unmatchable hash setup): load only.
 
 A replica whose hash setup differs from the ingress's (``hash_fingerprint``) is routed by load
