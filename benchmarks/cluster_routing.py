@@ -45,7 +45,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,7 +55,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROUTERS = ("span", "round_robin", "prefix", "pow2")
+from serving.cluster_app import ROUTERS  # the routers `--router` takes
+from serving.replica import free_port
+
 HEALTH_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
 CONFIG_PATH = "/minipic/config"
@@ -64,12 +65,6 @@ CLUSTER_PATH = "/minipic/cluster"
 
 
 # -- servers -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _tail(path: Path, lines: int = 30) -> str:

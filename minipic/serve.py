@@ -25,6 +25,7 @@ from pathlib import Path
 
 from engine_ext.checkpoint_policy import CheckpointConfig
 from engine_ext.endpoints import CACHE_RESET_ENV, RESET_PATH
+from serving.cluster_app import ROUTERS
 from serving.supervise import supervise
 from span_contract.engine_config import EngineSettings
 
@@ -101,8 +102,7 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="serve N vLLM replicas with Ray Serve (starts Ray on this machine "
                             "unless --ray-address is given)")
-    scale.add_argument("--router", default="span", choices=("span", "prefix", "round_robin",
-                                                            "pow2"),
+    scale.add_argument("--router", default="span", choices=sorted(ROUTERS),
                        help="span: by span blocks held anywhere in the prompt (learned from "
                             "vLLM KV events); prefix: Ray's PrefixCacheAffinityRouter; "
                             "round_robin; pow2: Ray's default (default: %(default)s)")

@@ -58,14 +58,11 @@ class BlockIndex:
                     counts.pop(h, None)
 
     def cleared(self, replica: ReplicaKey) -> None:
-        """``AllBlocksCleared``, or the stream was lost beyond replay: forget what it held."""
+        """Forget what a replica held: ``AllBlocksCleared``, its stream lost beyond replay, or
+        the replica gone (died, scaled down)."""
         with self._lock:
             self._stored.pop(replica, None)
             self._expected.pop(replica, None)
-
-    def forget(self, replica: ReplicaKey) -> None:
-        """The replica is gone (died, scaled down)."""
-        self.cleared(replica)
 
     # -- router's own sends ---------------------------------------------------------------------
 

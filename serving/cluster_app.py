@@ -76,8 +76,7 @@ def build_app(settings: EngineSettings, *, replicas: int, router: str = "span",
 
 def run_cluster(settings: EngineSettings, *, replicas: int, host: str, port: int,
                 router: str = "span", served_name: str = "minipic", address: str | None = None,
-                replicas_per_node: int | None = None, enable_cache_reset: bool = False,
-                ready: threading.Event | None = None) -> int:
+                replicas_per_node: int | None = None, enable_cache_reset: bool = False) -> int:
     """Start (or join) Ray, deploy the app at ``http://host:port``, serve until a stop signal."""
     import ray
     from ray import serve
@@ -100,8 +99,6 @@ def run_cluster(settings: EngineSettings, *, replicas: int, host: str, port: int
         serve.run(app, name=APP_NAME, route_prefix="/")
         print(f"minipic serve: {replicas} replica(s), router={router} -> "
               f"http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
-        if ready is not None:
-            ready.set()
         stop.wait()
         print("minipic serve: stopping the cluster", file=sys.stderr, flush=True)
         return 0

@@ -64,6 +64,7 @@ class ClusterIngress:
         settings = EngineSettings.model_validate_json(settings_json)
         self.engine = engine
         self.instance = instance
+        # only the span router reads block hashes and routes prefills by their final
         self.cluster = {"replicas": replicas, "router": router,
                         "route_hints": router == "span"}
         self.hasher = RequestBlockHasher(hash_setup, settings.model)
@@ -167,7 +168,8 @@ class ClusterIngress:
         body = await self._body(request)
         if isinstance(body, Response):
             return body
-        routed = await asyncio.to_thread(self.hasher.routed, route, body)
+        routed = await asyncio.to_thread(self.hasher.routed, route, body,
+                                         hash_blocks=self.cluster["route_hints"])
         self.hash_ms += routed.hash_ms
         self.hashed += 1
         reason = "no replica answered"

@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from serving.block_index import BlockIndex
 
@@ -32,6 +33,11 @@ log = logging.getLogger(__name__)
 
 END_SEQ = -1
 REPLAY_TIMEOUT_MS = 2000
+
+
+def _ints(hashes: list[int | bytes]) -> list[int]:
+    """Event hashes as the router's ints (vLLM sends 64-bit ints unless told to send bytes)."""
+    return [h if isinstance(h, int) else int.from_bytes(h, "big") for h in hashes]
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ class SourceStats:
 @dataclass
 class _Sub:
     source: EventSource
-    socket: object
+    socket: Any  # zmq SUB socket
     stats: SourceStats = field(default_factory=SourceStats)
 
 
@@ -97,14 +103,14 @@ class KvEventSubscriber:
 
     # -- the thread -------------------------------------------------------------------------------
 
-    def _reconcile(self, poller: object) -> None:
+    def _reconcile(self, poller: Any) -> None:
         with self._lock:
             wanted = dict(self._wanted)
         for key in [k for k, sub in self._subs.items() if wanted.get(k) != sub.source]:
             sub = self._subs.pop(key)
-            poller.unregister(sub.socket)  # type: ignore[attr-defined]
-            sub.socket.close(linger=0)  # type: ignore[attr-defined]
-            self.index.forget(key)
+            poller.unregister(sub.socket)
+            sub.socket.close(linger=0)
+            self.index.cleared(key)
         for key, source in wanted.items():
             if key in self._subs:
                 continue
@@ -114,7 +120,7 @@ class KvEventSubscriber:
             sub = _Sub(source, socket)
             with self._lock:
                 self._subs[key] = sub
-            poller.register(socket, self._zmq.POLLIN)  # type: ignore[attr-defined]
+            poller.register(socket, self._zmq.POLLIN)
             self._replay(key, sub, 0)
 
     def _run(self) -> None:
@@ -127,8 +133,7 @@ class KvEventSubscriber:
                     if sub.socket in ready:
                         while True:
                             try:
-                                frames = sub.socket.recv_multipart(  # type: ignore[attr-defined]
-                                    flags=self._zmq.NOBLOCK)
+                                frames = sub.socket.recv_multipart(flags=self._zmq.NOBLOCK)
                             except self._zmq.Again:
                                 break
                             self._on_frames(key, sub, frames)
@@ -136,7 +141,7 @@ class KvEventSubscriber:
                 log.exception("minipic KV event subscriber")
                 self._stop.wait(1.0)
         for sub in self._subs.values():
-            sub.socket.close(linger=0)  # type: ignore[attr-defined]
+            sub.socket.close(linger=0)
 
     def _on_frames(self, key: Hashable, sub: _Sub, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -167,12 +172,10 @@ class KvEventSubscriber:
         for event in batch.events:
             kind = type(event).__name__
             if kind == "BlockStored":
-                self.index.stored(key, (int(h) if not isinstance(h, bytes)
-                                        else int.from_bytes(h, "big") for h in event.block_hashes))
+                self.index.stored(key, _ints(event.block_hashes))
                 sub.stats.stored += len(event.block_hashes)
             elif kind == "BlockRemoved":
-                self.index.removed(key, (int(h) if not isinstance(h, bytes)
-                                         else int.from_bytes(h, "big") for h in event.block_hashes))
+                self.index.removed(key, _ints(event.block_hashes))
                 sub.stats.removed += len(event.block_hashes)
             elif kind == "AllBlocksCleared":
                 self.index.cleared(key)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,14 +33,13 @@ from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig
 def none_hash_seed(algo: str, environ: dict[str, str] | None = None) -> str | None:
     """The seed vLLM derives ``NONE_HASH`` from in a process with ``environ``; None when it is
     random per process (so no other process can reproduce the engine's hashes)."""
-    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils as kcu
 
     env = os.environ if environ is None else environ
     seed = env.get("PYTHONHASHSEED")
     if seed is not None:
         return seed
-    if get_hash_fn_by_name(algo) in kcu._NON_CRYPTO_HASH_FUNCTIONS:
+    if algo.startswith("xxhash"):  # vLLM's non-cryptographic choices: a random seed each
         return None
     return kcu.DEFAULT_NONE_HASH_SEED
 
@@ -171,25 +171,40 @@ class RequestBlockHasher:
                           cache_salt=cache_salt, block_hasher=self._hasher)
         return [self._convert(h) for h in request.block_hashes]
 
-    def routed(self, route: str, body: dict[str, Any]) -> RoutedRequest:
-        """The request as the router sees it; the routing-only field is taken out of the body."""
-        import time
+    def routed(self, route: str, body: dict[str, Any], *,
+               hash_blocks: bool = True) -> RoutedRequest:
+        """The request as the router sees it; the routing-only field is taken out of the body.
 
+        ``hash_blocks``: False for routers that never read block hashes (the baselines), which
+        then cost no tokenizing or hashing per request."""
         start = time.perf_counter()
         body = dict(body)
         route_as = body.pop(ROUTE_AS_KEY, None)
-        prompts = self.token_ids(route, body)
-        targets = self.token_ids(route, body, route_as) if route_as is not None else prompts
-        xargs = body.get("vllm_xargs")
-        opted_in = isinstance(xargs, dict) and xargs.get(SPANS_OPT_IN_KEY) is True
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        prompts: list[list[int]] | None = None
         hashes: list[int] = []
-        if self.setup.matchable:
+        if hash_blocks and self.setup.matchable:
+            xargs = body.get("vllm_xargs")
+            opted_in = isinstance(xargs, dict) and xargs.get(SPANS_OPT_IN_KEY) is True
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            if route_as is None:
+                prompts = targets = self.token_ids(route, body)
+            else:
+                targets = self.token_ids(route, body, route_as)
             for ids in targets:
                 hashes += self.hashes(ids, opted_in=opted_in, cache_salt=salt)
-        group = hash(tuple(hashes)) if hashes else None
-        text = " ".join(" ".join(map(str, ids)) for ids in prompts) if prompts else ""
-        if route == "completions" and isinstance(body.get("prompt"), str):
-            text = body["prompt"]
-        return RoutedRequest(route=route, body=body, prompt=text, block_hashes=hashes,
-                             group=group, hash_ms=(time.perf_counter() - start) * 1e3)
+        raw = body.get("prompt")
+        if route == "chat":
+            messages = body.get("messages")
+            text = "".join(str(m.get("content", "")) for m in messages
+                           if isinstance(m, dict)) if isinstance(messages, list) else ""
+        elif isinstance(raw, str):
+            text = raw
+        else:
+            if prompts is None:
+                prompts = self.token_ids(route, body)
+            text = " ".join(" ".join(map(str, ids)) for ids in prompts)
+        return RoutedRequest(route=route, body=body,
+                             # routers that read .prompt divide by its length: never empty
+                             prompt=text or route, block_hashes=hashes,
+                             group=hash(tuple(hashes)) if hashes else None,
+                             hash_ms=(time.perf_counter() - start) * 1e3)

@@ -100,7 +100,7 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         key = replica_key(replica_id)
-        self.index.forget(key)
+        self.index.cleared(key)
         self._groups = {g: v for g, v in self._groups.items() if v[0] != key}
         self._sync_sources()
 

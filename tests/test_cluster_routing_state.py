@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from serving.block_index import BlockIndex
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.fast
 
@@ -61,19 +62,11 @@ def test_expectations_count_until_confirmed_or_lapsed() -> None:
 # -- KV events, from vLLM's real publisher ----------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Publisher:
     def __init__(self, buffer_steps: int = 100) -> None:
         from vllm.distributed.kv_events import ZmqEventPublisher
 
-        pub, replay = _free_port(), _free_port()
+        pub, replay = free_port(), free_port()
         self.endpoint, self.replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
         self.pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{pub}",
                                      replay_endpoint=f"tcp://*:{replay}",
@@ -210,7 +203,7 @@ def router():
                            handle_source=DeploymentHandleSource.UNKNOWN)
     r.initialize_state(hash_fingerprint="fp", max_imbalance=2)
     replicas = [Candidate(ReplicaID(unique_id=f"r{i}", deployment_id=deployment),
-                          {"kv_events": f"tcp://127.0.0.1:{_free_port()}",
+                          {"kv_events": f"tcp://127.0.0.1:{free_port()}",
                            "hash_fingerprint": "fp"}) for i in range(3)]
     yield r, replicas  # candidates are passed to _rank, as Ray passes them to choose_replicas
     r.events.close()
