@@ -60,6 +60,34 @@ def _with_salt(request: Any, extra_keys: tuple | None, start_token_idx: int) -> 
     return tuple(keys)
 
 
+def _full_chain_matching(request: Any, hash_block_size: int,
+                         caching_hash_fn: Callable[[Any], bytes]) -> list[bytes]:
+    """The request's stock chain, exactly as long as ``request.block_hashes``.
+
+    vLLM truncates or resets ``block_hashes`` when a request's tokens change under it (a
+    streaming-input session update, a multi-turn continuation) and then asks the hasher for the
+    blocks again. The stock chain kept next to it must be cut to the same length, or the next
+    block would chain onto a parent that no longer names its prefix: lost hits for plain
+    requests, and a PDEP block hashed over a stale prefix (a false hit) for opted-in ones.
+    If the chain is shorter (``block_hashes`` set from outside the hasher), it is rebuilt from
+    the request's tokens, which is what stock vLLM's chain is by definition.
+    """
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    full_chain: list[bytes] = request.__dict__.setdefault(FULL_CHAIN_ATTR, [])
+    num_blocks = len(request.block_hashes)
+    del full_chain[num_blocks:]
+    if len(full_chain) < num_blocks:
+        full_chain.clear()
+        token_ids, mm_idx, parent = request.all_token_ids, 0, None
+        for start in range(0, num_blocks * hash_block_size, hash_block_size):
+            end = start + hash_block_size
+            extra, mm_idx = kcu.generate_block_hash_extra_keys(request, start, end, mm_idx)
+            parent = kcu.hash_block_tokens(caching_hash_fn, parent, token_ids[start:end], extra)
+            full_chain.append(parent)
+    return full_chain
+
+
 def make_span_block_hasher(
     hash_block_size: int,
     caching_hash_fn: Callable[[Any], bytes],
@@ -75,7 +103,7 @@ def make_span_block_hasher(
         num_tokens = request.num_tokens
         if start + hash_block_size > num_tokens:
             return []
-        full_chain: list[bytes] = request.__dict__.setdefault(FULL_CHAIN_ATTR, [])
+        full_chain = _full_chain_matching(request, hash_block_size, caching_hash_fn)
         prev_pic = request.block_hashes[-1] if request.block_hashes else None
         prev_full = full_chain[-1] if full_chain else None
         token_ids = request.all_token_ids

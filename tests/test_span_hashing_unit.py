@@ -108,3 +108,55 @@ def test_incremental_hashing_matches_one_shot(hashers):
     for tok in ids[BS + 3:]:
         req.append_output_token_ids(tok)
     assert req.block_hashes == make_request(ids, pic).block_hashes
+
+
+def _rewrite_tail(req, keep_tokens: int, new_tail: list[int]) -> None:
+    """What vLLM's scheduler does to a streaming-input session (``_update_request_as_session``):
+    cut tokens and ``block_hashes`` back to the computed prefix, append the update, rehash."""
+    del req._all_token_ids[keep_tokens:]
+    del req.block_hashes[keep_tokens // BS:]
+    del req.prompt_token_ids[keep_tokens:]
+    req._all_token_ids.extend(new_tail)
+    req.prompt_token_ids.extend(new_tail)
+    req.update_block_hashes()
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_truncated_block_hashes_rechain_on_the_current_tokens(hashers, opt_in):
+    """After vLLM truncates ``block_hashes`` and appends new tokens, every hash names the
+    current token sequence: equal to a fresh request of the same tokens (and, without opt-in or
+    markers, to stock vLLM's). Before the fix the span hasher chained onto its stale full chain.
+    """
+    stock, pic = hashers
+    rng = random.Random()
+    first = span(1, rng) + [CFG.pdep_id] + plain_tokens(4 * BS, rng)
+    keep = rng.randrange(BS, 3 * BS)
+    tail = [CFG.pdep_id] + plain_tokens(rng.randrange(2 * BS, 4 * BS), rng)
+    current = first[:keep] + tail
+    for hasher in (pic, stock):
+        req = make_request(first, hasher, opt_in=opt_in)
+        _rewrite_tail(req, keep, tail)
+        assert req.block_hashes == make_request(current, hasher, opt_in=opt_in).block_hashes
+    plain = plain_tokens(5 * BS, rng)
+    req = make_request(plain, pic, opt_in=opt_in)
+    _rewrite_tail(req, keep, plain_tokens(3 * BS, rng))
+    assert req.block_hashes == make_request(req.all_token_ids, stock).block_hashes
+    # reset to nothing (a multi-turn rewrite from token 0)
+    req = make_request(first, pic, opt_in=opt_in)
+    _rewrite_tail(req, 0, tail)
+    assert req.block_hashes == make_request(tail, pic, opt_in=opt_in).block_hashes
+
+
+def test_block_hashes_set_without_the_full_chain_rebuild_it(hashers):
+    """A request whose ``block_hashes`` came from elsewhere (no full chain kept next to them)
+    still chains its next PDEP block over the true full prefix."""
+    from engine_ext.span_hashing import FULL_CHAIN_ATTR
+
+    _, pic = hashers
+    rng = random.Random()
+    ids = span(2, rng) + [CFG.pdep_id] + plain_tokens(2 * BS, rng)
+    req = make_request(ids[: 2 * BS + 5], pic)
+    del req.__dict__[FULL_CHAIN_ATTR]
+    for tok in ids[2 * BS + 5:]:
+        req.append_output_token_ids(tok)
+    assert req.block_hashes == make_request(ids, pic).block_hashes
