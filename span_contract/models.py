@@ -252,8 +252,22 @@ TINY_QWEN3_NEXT_CONFIG = dict(
 )
 
 
-def _config_key(kind: str, config: dict, seed: int) -> str:
-    blob = json.dumps({"kind": kind, "config": config, "seed": seed, "v": 1}, sort_keys=True)
+def _config_key(kind: str, config: dict, seed: int, tokenizer_dir: Path) -> str:
+    """Names a tiny model by everything that decides its weights: the config, the seed, the
+    tokenizer it was built with, the builder's own code and the library versions. A cache
+    filled by an earlier run (or ``make setup``) is then never mistaken for what a changed
+    builder would make."""
+    import inspect
+
+    import torch
+    import transformers
+
+    builder = inspect.getsource(_build_tiny) + inspect.getsource(_init_random)
+    blob = json.dumps({
+        "kind": kind, "config": config, "seed": seed, "tokenizer": tokenizer_dir.name,
+        "builder": hashlib.sha256(builder.encode()).hexdigest(),
+        "transformers": transformers.__version__, "torch": torch.__version__,
+    }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -276,7 +290,8 @@ def _build_tiny(kind: str, config_cls_name: str, model_cls_name: str, overrides:
     import transformers
 
     tokenizer_dir = default_model_dir()
-    target = _models_dir() / f"tiny-{kind}-{_config_key(kind, overrides | {'dtype': dtype}, seed)}"
+    key = _config_key(kind, overrides | {"dtype": dtype}, seed, tokenizer_dir)
+    target = _models_dir() / f"tiny-{kind}-{key}"
     if _is_complete(target):
         return target
 

@@ -10,17 +10,70 @@ from __future__ import annotations
 import collections
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+CACHE_ENV = "MINIPIC_CACHE_DIR"
+TEST_CACHE_ENV = "MINIPIC_TEST_CACHE"  # "user" (default) or "temp"
+
+
+def choose_cache(config: pytest.Config) -> tuple[str, str]:
+    """The model cache every test and every process it starts uses: ``(path, why)``.
+
+    Chosen once per run, explicitly, before collection (test modules and the servers they start
+    read it), never by which module happened to be imported first:
+
+    * ``MINIPIC_CACHE_DIR`` set by the caller: that folder;
+    * ``MINIPIC_TEST_CACHE=temp``: a fresh folder of this run (every model is built again:
+      slower, nothing carried over from earlier runs);
+    * otherwise the user cache that ``make setup`` filled (``minipic models fetch``). Its
+      folders are keyed by what built them (the GGUF's sha256; a tiny model's config, seed,
+      builder code and transformers version), so a change never reuses a stale build.
+    """
+    from span_contract.models import cache_root
+
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV], f"{CACHE_ENV} (set by the caller)"
+    choice = os.environ.get(TEST_CACHE_ENV, "user")
+    if choice == "temp":
+        path = tempfile.mkdtemp(prefix="minipic-test-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+        return path, f"{TEST_CACHE_ENV}=temp (this run only, removed after it)"
+    if choice != "user":
+        raise pytest.UsageError(f"{TEST_CACHE_ENV}={choice!r}: expected 'user' or 'temp'")
+    return str(cache_root()), "the user cache (make setup)"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's environment, set once before any test module is imported."""
+    import torch
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not torch.cuda.is_available():
+        # The Triton kernel's tests (and the CUDA backend's glue test) run in Triton's CPU
+        # interpreter. Triton picks interpreter vs compiler when @triton.jit wraps a function
+        # (its own tl.* helpers at `import triton`), so this must precede Triton's first
+        # import, whichever module imports it. vLLM on CPU does not use Triton.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    path, why = choose_cache(config)
+    os.environ[CACHE_ENV] = path
+    config.stash[_CACHE_KEY] = f"minipic model cache: {path} — {why}"
+
+
+_CACHE_KEY = pytest.StashKey[str]()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return config.stash.get(_CACHE_KEY, "")
 
 # Overlap depths the hybrid checkpoint profile plans for: half the requests reuse 1200 tokens of a
 # cached prefix, half 1800 (depths 0..2048 = max_model_len). With the engine's recurrent block of

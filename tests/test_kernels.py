@@ -26,11 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # Triton picks interpreter vs compiler when @triton.jit wraps a function -- its own tl.*
-    # helpers at `import triton` -- so this must happen before Triton's first import.
-    os.environ["TRITON_INTERPRET"] = "1"
+ON_GPU = torch.cuda.is_available()  # without a GPU conftest chose Triton's interpreter
 
 from kernels import dense_attention_ref, paged_attention_rope_ref, rotate  # noqa: E402
 from kernels.triton_paged_attention import paged_attention_rope_triton  # noqa: E402

@@ -11,7 +11,6 @@ suite runs against ``WikiRetriever`` in ``test_langchain_standard.py``.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from typing import Any
 
@@ -37,8 +36,6 @@ from orchestrator.langchain_adapter import (
     question_of,
 )
 from orchestrator.wiki_retriever import WikiRetriever
-
-os.environ.setdefault("MINIPIC_CACHE_DIR", "/tmp/mpcache")
 
 
 class ListRetriever(BaseRetriever):

@@ -92,3 +92,47 @@ def test_cli_help_explains_commands():
     assert out.returncode == 0
     for command in ("models", "serve", "demo", "plan"):
         assert command in out.stdout
+
+
+def test_tiny_model_folder_names_what_built_it(monkeypatch):
+    """A tiny model built by an earlier run is reused only if config, seed, tokenizer, builder
+    code and library versions are all the same (issue: a shared cache reused whatever changed).
+    """
+    import transformers
+
+    key = models._config_key("llama", {"a": 1}, 0, Path("tok-1"))
+    assert key == models._config_key("llama", {"a": 1}, 0, Path("tok-1"))
+    assert key != models._config_key("llama", {"a": 2}, 0, Path("tok-1"))
+    assert key != models._config_key("llama", {"a": 1}, 1, Path("tok-1"))
+    assert key != models._config_key("llama", {"a": 1}, 0, Path("tok-2"))
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".other")
+    assert key != models._config_key("llama", {"a": 1}, 0, Path("tok-1"))
+    monkeypatch.undo()
+    import inspect
+
+    real = inspect.getsource
+
+    def edited(obj):  # the builder's code as if someone changed it
+        text = real(obj)
+        return text + "# changed" if obj is models._init_random else text
+
+    monkeypatch.setattr(inspect, "getsource", edited)
+    assert key != models._config_key("llama", {"a": 1}, 0, Path("tok-1"))
+
+
+def test_no_test_module_changes_the_environment_at_import():
+    """The cache (and every other setting) is chosen once in conftest's ``pytest_configure``;
+    a module-level ``os.environ`` write would make a test's view depend on import order."""
+    import ast
+
+    offenders = []
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only: fixtures and functions may set env
+            for sub in ast.walk(node) if not isinstance(
+                    node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else ():
+                text = ast.unparse(sub) if isinstance(sub, ast.Call | ast.Assign) else ""
+                if "os.environ" in text and any(
+                        w in text for w in ("setdefault", "update(", "] =", "putenv", "pop(")):
+                    offenders.append(f"{path.name}:{sub.lineno}: {text[:60]}")
+    assert not offenders, offenders

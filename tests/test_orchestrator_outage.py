@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -34,8 +33,6 @@ from orchestrator import (
 )
 from orchestrator.http_backend import HttpBackend
 from prompt_builder import PromptBuilder, SpanConfig
-
-os.environ.setdefault("MINIPIC_CACHE_DIR", "/tmp/mpcache")
 
 
 def doc(name: str, words: int = 30) -> str:

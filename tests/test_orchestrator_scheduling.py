@@ -11,7 +11,6 @@ tested in ``test_orchestrator.py`` and ``test_orchestrator_http.py``.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -36,8 +35,6 @@ from orchestrator.warmth import check_cache
 from prompt_builder import PromptBuilder, SpanConfig
 
 pytestmark = pytest.mark.fast
-os.environ.setdefault("MINIPIC_CACHE_DIR", "/tmp/mpcache")
-
 FAST_RETRY = RetryPolicy(max_attempts=4, backoff_s=0.001, max_backoff_s=0.005)
 
 

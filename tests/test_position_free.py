@@ -26,20 +26,12 @@ rotated keys at a new offset is off by 0.12-0.23).
 
 from __future__ import annotations
 
-import os
 import random
 import types
 from collections.abc import Iterator
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # The CUDA backend's glue test runs the Triton kernel in Triton's CPU interpreter, which
-    # must be chosen before Triton is first imported (as in tests/test_kernels.py). vLLM on CPU
-    # does not use Triton, so engines started from this process are unaffected.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from pic_reference import (  # noqa: E402
     PicPrompt,
     PicReference,

@@ -10,7 +10,6 @@ hits from the start, never the last prompt token's block).
 from __future__ import annotations
 
 import hashlib
-import os
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -36,8 +35,6 @@ from span_contract.span_config import SpanConfig
 from span_contract.special_tokens import FAMILY_TOKENS, detect_family
 
 pytestmark = pytest.mark.fast
-
-os.environ.setdefault("MINIPIC_CACHE_DIR", "/tmp/mpcache")
 
 SETTINGS = settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]

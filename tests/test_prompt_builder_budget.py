@@ -31,8 +31,6 @@ from span_contract.special_tokens import default_span_config
 
 pytestmark = pytest.mark.fast
 
-os.environ.setdefault("MINIPIC_CACHE_DIR", "/tmp/mpcache")
-
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
