@@ -304,6 +304,9 @@ def engine_stats(core: Any, token_ids: list[int] | None = None) -> dict[str, Any
         "active": policy is not None,
         "policy": policy.stats() if policy is not None else None,
         "block_size": scheduler.cache_config.block_size,
+        # vLLM's CPU platform keeps recurrent state in the model dtype unless the CPU has
+        # AVX-512 BF16, where it resets it to float32; the block size follows from this.
+        "ssm_state_dtype": str(scheduler.cache_config.mamba_ssm_cache_dtype),
         "hash_block_size": pool.hash_block_size,
         "retention_interval": scheduler.cache_config.prefix_cache_retention_interval,
         "mamba_groups": mamba,

@@ -76,8 +76,9 @@ def pytest_report_header(config: pytest.Config) -> str:
     return config.stash.get(_CACHE_KEY, "")
 
 # Overlap depths the hybrid checkpoint profile plans for: half the requests reuse 1200 tokens of a
-# cached prefix, half 1800 (depths 0..2048 = max_model_len). With the engine's recurrent block of
-# 544 tokens and budget 2 the dp plan is [1088, 1632] — leaving the block boundary 544 unplanned.
+# cached prefix, half 1800 (depths 0..2048 = max_model_len). The engine's recurrent block g
+# depends on the CPU (288 or 544 tokens, see tests/test_recurrent_checkpoints.py); with budget 2
+# the dp plan is two multiples of g below the two depths, leaving the first boundary g unplanned.
 QWEN3NEXT_CKPT_HISTOGRAM = [0.5 if t in (1200, 1800) else 0.0 for t in range(2049)]
 
 # profile name -> EngineSettings overrides. fp32 so outputs can be compared tightly (the hybrid

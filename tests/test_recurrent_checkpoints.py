@@ -40,13 +40,46 @@ from engine_ext.checkpoint_policy import (
 # greedy tokens except after a near-tie (top-2 margin within the tolerance); cached-token counts
 # are asserted exactly, so a resume from the wrong position fails there.
 LOGPROB_TOL = 0.25
-# The tiny Qwen3-Next's recurrent block: vLLM enlarges the attention block until one attention page
-# (2 KV heads x 64 x K,V x bf16 = 512 B/token) holds one GDN layer's state (fp32 4x128x128 + bf16
-# conv = 262 KiB) = 524 tokens, rounded up to a multiple of 32: 544. Engine tests read it from the
-# engine (and check it); the HTTP test needs it as a constant.
-TINY_QWEN3NEXT_BLOCK = 544
+# The tiny Qwen3-Next's recurrent block is chosen by vLLM, never a constant here: vLLM enlarges
+# the attention block until one attention page (2 KV heads x 64 x K,V x bf16 = 512 B/token)
+# holds one GDN layer's state, rounded up to the requested block (32). That state's dtype
+# depends on the CPU: vLLM's CPU platform keeps the model dtype (bf16: 288 tokens) unless the
+# CPU has AVX-512 BF16, where it resets it to float32 (544 tokens). Tests read the block from
+# the engine and check it against `hybrid_block_size` for the dtype the engine chose.
 # random prompt ids stay clear of SmolLM2's special tokens (0..16) and below its vocab (49152)
 TOKEN_RANGE = (1000, 40000)
+
+
+def hybrid_block_size(vllm_config: Any, ssm_dtype: str) -> int:
+    """The attention/recurrent block vLLM picks for a hybrid model, for a given SSM state dtype.
+
+    Written from vLLM's rule (``Platform._align_hybrid_block_size``) on vLLM's own state shapes
+    and page sizes: the smallest multiple of the requested block whose attention page holds one
+    recurrent layer's state.
+    """
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture,
+                                                   model_config=model_config)
+    chosen = cache_config.mamba_ssm_cache_dtype
+    cache_config.mamba_ssm_cache_dtype = ssm_dtype
+    try:
+        state = MambaSpec(shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),
+                          dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
+                          block_size=-1).page_size_bytes
+    finally:
+        cache_config.mamba_ssm_cache_dtype = chosen
+    per_token = FullAttentionSpec(
+        block_size=1, num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=model_config.get_head_size(), dtype=model_config.dtype).page_size_bytes
+    requested = REQUESTED_BLOCK
+    return requested * cdiv(state, requested * per_token)
+
+
+REQUESTED_BLOCK = 32  # minipic's engine block size (EngineSettings), before vLLM enlarges it
 
 
 def rand_ids(rng: random.Random, n: int) -> list[int]:
@@ -146,6 +179,30 @@ def test_serve_flags_turn_on_ckpt(tmp_path):
         update={"model": "m"}).server_argv("h", 1, "x")
 
 
+def tiny_qwen3_next_config() -> Any:
+    """vLLM's config of the tiny hybrid as the checkpoint engines run it (no engine started)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from span_contract.models import tiny_qwen3_next_dir
+
+    return EngineArgs(model=str(tiny_qwen3_next_dir()), dtype="bfloat16",
+                      block_size=REQUESTED_BLOCK, enable_prefix_caching=True,
+                      max_model_len=2048, enforce_eager=True).create_engine_config()
+
+
+@pytest.mark.fast
+def test_block_size_derivation_for_both_ssm_dtypes():
+    """The derivation the engine tests check the engine against, for both SSM state dtypes vLLM
+    may choose: bf16 (CPUs without AVX-512 BF16, e.g. AMD EPYC without AVX-512: 288 tokens seen
+    there) and float32 (CPUs with it: 544 tokens seen there). So a machine of either kind checks
+    what the other kind's engine will do."""
+    config = tiny_qwen3_next_config()
+    sizes = {dtype: hybrid_block_size(config, dtype) for dtype in ("bfloat16", "float32")}
+    assert sizes == {"bfloat16": 288, "float32": 544}
+    for g in sizes.values():  # what the engine tests below need of any block
+        assert g % REQUESTED_BLOCK == 0 and 3 * g < 2048
+
+
 # --------------------------------------------------------------------------------------------
 # engine
 
@@ -178,7 +235,8 @@ def block(ckpt_llm: Any) -> int:
     assert st["active"], "the ckpt feature did not attach to the scheduler"
     assert st["retention_interval"] == 0
     g = st["policy"]["block_size"]
-    assert g == st["block_size"] == TINY_QWEN3NEXT_BLOCK
+    assert g == st["block_size"] == hybrid_block_size(ckpt_llm.llm_engine.vllm_config,
+                                                      st["ssm_state_dtype"])
     assert 3 * g < 2048, "the tests below need three block boundaries below max_model_len"
     return g
 
@@ -202,7 +260,9 @@ def test_resume_from_deepest_planned_checkpoint(ckpt_llm, block, source):
     else:
         plan = [g, 3 * g]
         xargs = plan
-    prompt = rand_ids(rng, 3 * g + rng.randrange(50, 300))
+    # past every planned position and 3g (the plan's positions move with g, i.e. with the CPU),
+    # with room for a 60-token suffix below max_model_len (2048)
+    prompt = rand_ids(rng, max(3 * g, *plan) + rng.randrange(50, 250))
     generate(ckpt_llm, prompt, xargs)
     edges = [0, *plan, len(prompt)]
     ks = [rng.randrange(max(lo, 1), hi) for lo, hi in zip(edges, edges[1:], strict=False)
@@ -351,7 +411,10 @@ def test_serve_ckpt_over_http(tmp_path):
     server = ServerProcess("--model", "tiny-qwen3-next", "--max-model-len", "2048",
                            "--ckpt-budget", "2", "--ckpt-histogram", str(hist)).start()
     try:
-        assert httpx.get(server.base_url + "/minipic/config").json()["features"] == ["ckpt"]
+        config = httpx.get(server.base_url + "/minipic/config").json()
+        assert config["features"] == ["ckpt"] and config["ckpt"]["active"]
+        g = config["ckpt"]["block_size"]  # chosen by the engine (depends on the CPU)
+        assert g == hybrid_block_size(tiny_qwen3_next_config(), config["ckpt"]["ssm_state_dtype"])
 
         def cached(ids: list[int], xargs: Any = None) -> httpx.Response:
             body: dict[str, Any] = {"model": "minipic", "prompt": ids, "max_tokens": 1}
@@ -367,9 +430,11 @@ def test_serve_ckpt_over_http(tmp_path):
         rng = random.Random()
         prompt = rand_ids(rng, 1900)
         hit(prompt)
-        g = TINY_QWEN3NEXT_BLOCK
         plan = plan_checkpoints(QWEN3NEXT_CKPT_HISTOGRAM, 2, "dp", g)
-        for k in (rng.randrange(600, 1000), rng.randrange(1100, 1600), rng.randrange(1650, 1850)):
+        assert config["ckpt"]["server_plan"] == plan
+        edges = [0, *plan, len(prompt)]  # one depth in each gap of the engine's plan
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            k = rng.randrange(lo + 1, hi)
             assert hit(prompt[:k] + rand_ids(rng, 30)) == deepest(plan, k)
         other = rand_ids(rng, 1900)
         hit(other, [g])
