@@ -11,17 +11,28 @@ median TTFT per mode, their ratio, the end-to-end time including span prefills, 
 Honest caveats, printed too: SmolLM2 was not fine-tuned for Block-Attention, so its answers from
 independently computed passages can be worse; and a span prefill costs time the first time a
 passage is seen — the TTFT gain is what later questions over the same passages get.
+
+Eager by default, unlike ``minipic serve``: torch.compile makes CPU steps ~1.1x faster
+(results/compiled_vs_eager) but costs 2-2.5 min more on a first start on 2 cores (its cache
+under ~/.cache/vllm makes later starts cheaper; results/demo_first_run.json). Six questions spend
+about a minute in the engine, so a first-time user would wait minutes to save seconds; a server
+runs long enough to win it back. ``--compiled`` opts in. While a step blocks, a spinner with the
+elapsed seconds says which one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from orchestrator import Answer
 
 SYSTEM_PROMPT = (
@@ -47,10 +58,20 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=int, default=3, help="passages retrieved per question (default: 3)")
     p.add_argument("--max-tokens", type=int, default=24, help="answer length cap (default: 24)")
     p.add_argument("--model", default=None, help="model folder (default: embedded SmolLM2)")
-    p.add_argument("--eager", action="store_true",
-                   help="skip torch.compile (faster start-up, slower steps; default: compiled)")
+    speed = p.add_mutually_exclusive_group()
+    speed.add_argument(
+        "--compiled", action="store_true",
+        help="run vLLM compiled (torch.compile): ~1.1x faster steps on CPU, for 2-2.5 min "
+             "more start-up on a first run on 2 cores (cached under ~/.cache/vllm afterwards). "
+             "Six questions spend about a minute in the engine and cannot win that back, so "
+             "the demo runs eager by default; `minipic serve` runs compiled by default because "
+             "a server runs long enough to win it back (results/demo_first_run.json)")
+    # the demo's default since it turned eager; accepted so that older command lines still work
+    speed.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true",
-                   help="show the engine's INFO logs (on stderr); default: warnings only")
+                   help="show the engine's INFO logs (on stderr), known noise included; "
+                        "default: warnings only, minus vLLM's known CPU noise "
+                        "(minipic/engine_logs.py)")
     p.add_argument("--engine-log", default=None, metavar="FILE",
                    help="write the engine's logs to FILE instead of the terminal")
     p.set_defaults(func=run)
@@ -76,18 +97,72 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.corpus import default_corpus, load_qa_items
 
     console = Console()
-    console.print("[bold]minipic demo[/] — loading corpus, model and engine (about a minute)…")
+    kind = "compiled" if args.compiled else "eager"
+    console.print(f"[bold]minipic demo[/] — {ENGINE_START[kind]}", highlight=False)
+    # a spinner only on a terminal, and not with --verbose: INFO lines would tear it apart
+    live = console.is_terminal and not args.verbose
     started = time.perf_counter()
-    items = load_qa_items()[: args.questions]
-    corpus = default_corpus()
-    retrieved = [[p.as_document for p in corpus.search(item.question, args.k)] for item in items]
-    with SyncOrchestrator.embedded(args.model, enforce_eager=args.eager) as orc:
-        # one untimed request: the engine's first step pays one-off set-up costs
-        orc.answer("Warm-up?", ["warm-up"], mode="prefix", max_tokens=1)
+    with _step(console, "loading the corpus (10k Wikipedia lead sections) and retrieving "
+               "passages", "corpus loaded, passages retrieved", live):
+        items = load_qa_items()[: args.questions]
+        corpus = default_corpus()
+        retrieved = [[p.as_document for p in corpus.search(item.question, args.k)]
+                     for item in items]
+    with _step(console, f"starting the vLLM engine ({kind}): EngineCore and worker processes, "
+               "model weights, KV cache" + (", torch.compile" if args.compiled else ""),
+               f"engine ready ({kind})", live) as engine_start:
+        # no tqdm bar for the weights unless verbose: the spinner already says what runs
+        orc = SyncOrchestrator.embedded(args.model, enforce_eager=not args.compiled,
+                                        use_tqdm_on_load=args.verbose)
+    with orc:
+        with _step(console, "first request (the engine's one-off set-up for its first step)",
+                   "first request done", live):
+            orc.answer("Warm-up?", ["warm-up"], mode="prefix", max_tokens=1)  # untimed
         rows = _answer_all(orc, items, retrieved, args, console)
     _print_table(console, rows)
-    _print_summary(console, rows, time.perf_counter() - started)
+    _print_summary(console, rows, time.perf_counter() - started, engine_start.seconds)
     return 0
+
+
+# What the user is told before the engine starts (measured on 2 CPU cores: results/
+# demo_first_run.json); the compiled figure is for a first start, with an empty compile cache.
+ENGINE_START = {
+    "eager": "eager engine: it starts in about a minute on 2 CPU cores, the whole demo takes "
+             "about 2 min (--compiled: ~1.1x faster steps, ~2 min more to start the first time)",
+    "compiled": "compiled engine: a first start spends ~2 min more in torch.compile on 2 CPU "
+                "cores (later starts reuse its cache under ~/.cache/vllm)",
+}
+
+
+@dataclass
+class StepTime:
+    seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def _step(console: Console, doing: str, done: str, live: bool = True) -> Iterator[StepTime]:
+    """Show what a blocking step is doing while it runs, then one line with how long it took.
+
+    Why: starting the engine blocks this thread for a minute or more, and users took a silent
+    screen for a hang. ``live``: a spinner with the elapsed time, redrawn by rich's own thread
+    while this one waits. Not live (a pipe, a file, ``--verbose``): the ``doing`` line, printed
+    once. Either way the ``done`` line with the step's time follows."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    timing = StepTime()
+    started = time.perf_counter()
+    try:
+        if live:
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                          console=console, transient=True) as progress:
+                progress.add_task(doing, total=None)
+                yield timing
+        else:
+            console.print(f"  {doing}…", highlight=False)
+            yield timing
+    finally:
+        timing.seconds = time.perf_counter() - started
+    console.print(f"  {done} in {timing.seconds:.0f} s", highlight=False)
 
 
 def _answer_all(orc, items, retrieved, args, console) -> list[Row]:
@@ -136,7 +211,7 @@ def _print_table(console, rows: list[Row]) -> None:
             console.print(f"   {mode:>15}: {answer[:60]}", highlight=False)
 
 
-def _print_summary(console, rows: list[Row], elapsed: float) -> None:
+def _print_summary(console, rows: list[Row], elapsed: float, engine_start: float) -> None:
     from rich.table import Table
 
     ttft = {m: statistics.median(r.answers[m].ttft_s for r in rows) for m in MODES}
@@ -159,5 +234,5 @@ def _print_summary(console, rows: list[Row], elapsed: float) -> None:
         "over the same passages skip them.\n"
         "SmolLM2 is not Block-Attention fine-tuned: block_attention answers come from passages "
         "computed independently and may be less accurate (\"correct\" = the gold answer occurs "
-        f"in the reply). Total {elapsed:.0f} s."
+        f"in the reply). Total {elapsed:.0f} s, of which the engine's start {engine_start:.0f} s."
     )

@@ -25,7 +25,7 @@ from typing import Any
 from orchestrator.backends import BackendInfo, Completion, Sampling, final_completion
 from orchestrator.errors import BadInputError, EngineError, MinipicError
 from orchestrator.kv_usage import KVUsageMonitor
-from span_contract.engine_config import EngineSettings
+from span_contract.engine_config import EngineSettings, engine_shutdown_timeout
 from span_contract.span_config import SPANS_OPT_IN_KEY
 
 
@@ -191,10 +191,14 @@ class EmbeddedBackend:
         self.close()
 
     def close(self) -> None:
-        """Stop the engine's processes now (idempotent; safe without a running loop)."""
+        """Stop the engine's processes now (idempotent; safe without a running loop).
+
+        With ``engine_shutdown_timeout()``, not vLLM's 5 s: on a busy CPU the EngineCore needs
+        longer to stop its worker, and killed before that it leaks a shared-memory segment
+        (the resource tracker's "leaked shared_memory objects" warning at exit)."""
         if not self._closed:
             self._closed = True
-            self.engine.shutdown()
+            self.engine.shutdown(timeout=engine_shutdown_timeout())
             # collect it now: AsyncLLM sits in reference cycles, and its __del__ (a second
             # shutdown) raises if it only runs at interpreter exit, after vLLM's modules are gone
             self.engine = None

@@ -51,8 +51,9 @@ class EngineSettings(BaseModel):
     block_size: int = Field(32, gt=0, description="KV block size (CPU: a multiple of 32)")
     max_model_len: int = 2048
     dtype: str = "float32"
-    # True here (tests, SDK default: ~40 s faster start-up on 2 cores); `minipic serve` and the
-    # demo run compiled (1.10x prefill, 1.07x decode on CPU, results/compiled_vs_eager).
+    # True here (tests, SDK, demo: 2-2.5 min faster first start on 2 cores, ~40 s with a warm
+    # compile cache); `minipic serve` runs compiled (1.10x prefill, 1.07x decode on CPU,
+    # results/compiled_vs_eager), since a server runs long enough to win the start-up back.
     enforce_eager: bool = True
     pic: bool = Field(True, description="enable the minipic plugin (span hashing + RoPE)")
     features: tuple[str, ...] = ALL_FEATURES
@@ -204,10 +205,37 @@ def build_llm(settings: EngineSettings | None = None, **overrides: Any):
     return llm
 
 
+# vLLM's EngineCore, after its own wait for the workers, sends them SIGTERM and waits this long
+# (a constant in vllm/v1/executor/multiproc_executor.py) before it kills them.
+_VLLM_WORKER_SIGTERM_WAIT_S = 4.0
+# Room for the rest of the EngineCore's teardown (distributed state, GC, interpreter exit) on a
+# busy machine: a whole close took ~5 s on an idle 2-core machine, 22.7 s with six CPU-bound
+# processes competing for the two cores.
+_ENGINE_TEARDOWN_MARGIN_S = 20.0
+
+
+def engine_shutdown_timeout() -> float:
+    """Seconds the EngineCore process gets to exit on its own before vLLM SIGKILLs it.
+
+    Why not vLLM's default (5 s): the EngineCore's own teardown first waits up to
+    ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (also 5 s) for its worker, and only then releases the
+    shared-memory ring buffer it broadcasts scheduler output through (``MessageQueue`` in
+    ``vllm/distributed/device_communicators/shm_broadcast.py``; unlinked by its ``__del__``).
+    When a busy CPU makes the worker take longer than 5 s, the parent kills the EngineCore (and
+    its worker) mid-teardown, the segment is never unlinked, and at exit Python's resource
+    tracker reports "There appear to be 1 leaked shared_memory objects" and removes it. A bound
+    that covers the EngineCore's whole teardown costs nothing when it is quick: the parent stops
+    waiting as soon as the process has exited.
+    """
+    worker = float(os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS") or 5)
+    return worker + _VLLM_WORKER_SIGTERM_WAIT_S + _ENGINE_TEARDOWN_MARGIN_S
+
+
 def close_llm(llm: Any) -> None:
     """Stop the engine's processes now (``vllm.LLM`` has no close(); at interpreter exit its
-    EngineCore would otherwise be joined forever)."""
+    EngineCore would otherwise be joined forever), giving them the time to release their shared
+    memory (``engine_shutdown_timeout``)."""
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None:
-        core.shutdown()
+        core.shutdown(timeout=engine_shutdown_timeout())
