@@ -93,6 +93,12 @@ ENGINE_PROFILES: dict[str, dict[str, Any]] = {
     "qwen3next_ckpt": dict(model="tiny-qwen3-next", pic=True, features=("ckpt",),
                            dtype="bfloat16",
                            ckpt=dict(budget=2, method="dp", histogram=QWEN3NEXT_CKPT_HISTOGRAM)),
+    # the same, with the recurrent state's dtype forced (vLLM's choice depends on the CPU): the
+    # test of the dtype this CPU does not choose uses one of them
+    **{f"qwen3next_ckpt_{dtype}": dict(
+        model="tiny-qwen3-next", pic=True, features=("ckpt",), dtype="bfloat16",
+        ckpt=dict(budget=2, method="dp", histogram=QWEN3NEXT_CKPT_HISTOGRAM),
+        extra={"mamba_ssm_cache_dtype": dtype}) for dtype in ("bfloat16", "float32")},
     # the same model without prefix caching: the reference for exact resumption
     "qwen3next_nocache": dict(model="tiny-qwen3-next", pic=False, dtype="bfloat16",
                               prefix_caching=False),

@@ -326,6 +326,31 @@ def test_only_planned_positions_hold_state(ckpt_llm, block):
         configure_checkpoints(ckpt_llm, None)
 
 
+@pytest.mark.engine
+def test_the_other_ssm_dtype_engine(engines, ckpt_llm, block):
+    """An engine with the SSM state dtype this CPU does *not* choose (forced with vLLM's
+    ``mamba_ssm_cache_dtype``): its block is the derivation's for that dtype, its plan follows
+    that block, and resumes land on it. So one machine checks both machine kinds' layouts."""
+    from conftest import QWEN3NEXT_CKPT_HISTOGRAM
+
+    chosen = stats(ckpt_llm)["ssm_state_dtype"]
+    other = "bfloat16" if chosen == "float32" else "float32"
+    llm = engines.get(f"qwen3next_ckpt_{other}")
+    st = stats(llm)
+    g = st["block_size"]
+    assert st["ssm_state_dtype"] == other and st["policy"]["block_size"] == g
+    assert g == hybrid_block_size(llm.llm_engine.vllm_config, other) != block
+    plan = st["policy"]["server_plan"]
+    assert plan == plan_checkpoints(QWEN3NEXT_CKPT_HISTOGRAM, 2, "dp", g)
+    rng = random.Random()
+    prompt = rand_ids(rng, max(3 * g, *plan) + rng.randrange(50, 250))
+    generate(llm, prompt)
+    edges = [0, *plan, len(prompt)]
+    for lo, hi in zip(edges, edges[1:], strict=False):
+        k = rng.randrange(lo + 1, hi)
+        assert generate(llm, prompt[:k] + rand_ids(rng, 30)).num_cached_tokens == deepest(plan, k)
+
+
 def greedy_difference(got: Any, ref: Any) -> float:
     """Largest chosen-token logprob difference; asserts the greedy tokens agree (up to a tie)."""
     worst = 0.0
