@@ -18,12 +18,13 @@ patched vLLM alike (so they cannot favour either):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tarfile
 import urllib.request
 from pathlib import Path
+
+from span_contract.models import sha256_of
 
 VLLM_VERSION = "0.32.0"
 SDIST_URL = (
@@ -67,19 +68,11 @@ def should_do_global_cleanup_after_test() -> bool:
 PYTEST_INI = "[pytest]\nfilterwarnings = ignore::DeprecationWarning\n"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _download(dest: Path) -> None:
     part = dest.with_suffix(".part")
     with urllib.request.urlopen(SDIST_URL, timeout=120) as resp, part.open("wb") as out:
         shutil.copyfileobj(resp, out)
-    got = _sha256(part)
+    got = sha256_of(part)
     if got != SDIST_SHA256:
         part.unlink()
         raise RuntimeError(f"vllm-{VLLM_VERSION}.tar.gz: sha256 {got}, expected {SDIST_SHA256}")
@@ -94,7 +87,7 @@ def upstream_tree(cache: Path) -> Path:
         return root
     root.mkdir(parents=True, exist_ok=True)
     sdist = root.parent / f"vllm-{VLLM_VERSION}.tar.gz"
-    if not sdist.exists() or _sha256(sdist) != SDIST_SHA256:
+    if not sdist.exists() or sha256_of(sdist) != SDIST_SHA256:
         _download(sdist)
     shutil.rmtree(root / "tests", ignore_errors=True)
     prefix = f"vllm-{VLLM_VERSION}/"
