@@ -107,7 +107,7 @@ def install_gguf_package(force: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive(lock_path: Path) -> Iterator[None]:
     """Serialise conversions across processes (tests, server and demo may race on first use)."""
     with lock_path.open("w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -124,7 +124,7 @@ def _is_complete(folder: Path) -> bool:
 def _publish(build: callable, target: Path) -> Path:
     """Run ``build(tmpdir)`` and atomically rename the result to ``target`` (if not there yet)."""
     parent = target.parent
-    with _exclusive(parent / f".{target.name}.lock"):
+    with exclusive(parent / f".{target.name}.lock"):
         if _is_complete(target):
             return target
         if target.exists():  # a folder without marker: never trust it

@@ -24,7 +24,7 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
-from span_contract.models import sha256_of
+from span_contract.models import exclusive, sha256_of
 
 VLLM_VERSION = "0.32.0"
 SDIST_URL = (
@@ -70,8 +70,15 @@ PYTEST_INI = "[pytest]\nfilterwarnings = ignore::DeprecationWarning\n"
 
 def _download(dest: Path) -> None:
     part = dest.with_suffix(".part")
-    with urllib.request.urlopen(SDIST_URL, timeout=120) as resp, part.open("wb") as out:
-        shutil.copyfileobj(resp, out)
+    try:
+        with urllib.request.urlopen(SDIST_URL, timeout=120) as resp, part.open("wb") as out:
+            shutil.copyfileobj(resp, out)
+    except OSError as exc:
+        part.unlink(missing_ok=True)
+        raise RuntimeError(
+            f"could not download vLLM {VLLM_VERSION}'s sdist from PyPI ({exc}); without a "
+            f"network, put vllm-{VLLM_VERSION}.tar.gz (sha256 {SDIST_SHA256}) at {dest}"
+        ) from exc
     got = sha256_of(part)
     if got != SDIST_SHA256:
         part.unlink()
@@ -86,6 +93,14 @@ def upstream_tree(cache: Path) -> Path:
     if done.exists():
         return root
     root.mkdir(parents=True, exist_ok=True)
+    with exclusive(root.parent / f".{VLLM_VERSION}.lock"):  # two test runs on one machine
+        if not done.exists():
+            _build(root)
+    return root
+
+
+def _build(root: Path) -> None:
+    done = root / ".complete"
     sdist = root.parent / f"vllm-{VLLM_VERSION}.tar.gz"
     if not sdist.exists() or sha256_of(sdist) != SDIST_SHA256:
         _download(sdist)
@@ -107,4 +122,3 @@ def upstream_tree(cache: Path) -> Path:
     snapshot.mkdir(parents=True, exist_ok=True)
     (snapshot / "config.json").write_text(json.dumps(OPT_125M_CONFIG))
     done.write_text(SDIST_SHA256)
-    return root
