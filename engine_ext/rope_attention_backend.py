@@ -11,42 +11,52 @@
   key ``j`` of a request sits at block-table slot ``j // block_size``, so it is rotated by ``j``,
   whatever physical block holds it. Query ``t`` is at ``seq_len - query_len + t``.
 
-**Cache layout.** ``customize_spec`` widens each token's per-head cell from ``2*D`` to ``3*D``
-(vLLM then sizes the pool accordingly, so this costs 1.5x KV memory per block, inside the
-``VLLM_CPU_KVCACHE_SPACE`` budget). Each (block, kv head) page of ``3 * block_size * D``
-elements holds three regions::
+**Cache layout: vLLM's stock page, keys stored once.** Each (block, kv head) page holds, as in
+stock vLLM, ``block_size * head_size`` key elements and as many values, in the layout of vLLM's
+C++ CPU kernel (written by ``cpu_attn_reshape_and_cache``). The keys are rotated at the
+position they were *written* at, the block's **home** slot: a block filled by a request at
+block-table slot ``s`` holds ``R_{s*bs+o} k~``, exactly what stock vLLM caches, so KV memory per
+token is stock's (1.00x). What makes the cache position-free is the home-slot table
+(``step_plan.HomeSlots``, one per KV-cache group): RoPE rotations compose, ``R(a) R(b) =
+R(a + b)``, so a block's keys at another slot ``t`` are its home keys rotated once more by
+``(t - s) * bs`` -- the same offset for every key of the block (``kernels.rotate_by_offset``;
+a table that folds a scale into cos/sin, YaRN's ``mscale``, is divided out of that second
+rotation, so it is applied once). The position-free key ``k~`` itself is recovered by the
+inverse rotation (``kernels.unrotate``), which is how anything that must hold position-free keys
+(the torch reference path below; a span store) reads them.
 
-    [0] K~  unrotated keys, plain [block_size, D]           <- the position-free content
-    [1] V   values, in the layout of vLLM's C++ CPU kernel  (written by cpu_attn_reshape_and_cache)
-    [2] K_h keys rotated at the position they were *written* at ("home" position), C++ layout
-
-Region [2] is a write-time companion, never rewritten: a block filled by a request at block-table
-slot ``s`` holds ``R_{s*bs+o} k~`` there, which is *exactly* what stock vLLM would have cached.
 Reading a block at its home slot (every read when PIC is off: stock prefix hashing only shares
 a block at the slot it was computed at) therefore runs vLLM's own C++ kernel
-(``cpu_attention_with_kv_cache``) on regions [2]/[1] with no extra work -- bit-identical to stock.
-A request that reads some block at another slot (a span reused at a new offset) is attended
-through the *rotated-block pool* (``RotatedBlocks``): one entry per (table slot, physical block)
-it reads, holding that block's keys rotated from region [0] for that slot (or copied from region
-[2] when the slot is the block's home) and its values, in the C++ kernel's layout; the same kernel
-then runs on the pool. An entry depends only on the block's content and the slot, so it serves
-every request and every later step that reads that block there; it is dropped when the block is
-written, so a decode step rebuilds one block per request. Nothing shared is ever rewritten in the
-KV cache, and one physical block serves any number of requests at any offsets in the same batch.
-Which physical block sits at which home slot, and the pool's entries, are tracked per KV-cache
-group by the metadata builder (``step_plan.HomeSlots``, ``rotated_pool.RotatedBlocks``), once
-per step.
+(``cpu_attention_with_kv_cache``) on the stock page with no extra work -- bit-identical to
+stock. A request that reads some block at another slot (a span reused at a new offset) is
+attended through the *rotated-block pool* (``RotatedBlocks``): one entry per (table slot,
+physical block) it reads, holding that block's keys moved to that slot (or copied when the slot
+is the block's home) and its values, in the C++ kernel's layout; the same kernel then runs on
+the pool. The kernel's key layout depends on the ISA, so it is measured once per (ISA, dtype,
+block) by vLLM's own writer (``engine_ext/cpu_kv_layout.py``) to read keys back as plain rows.
+An entry depends only on the block's content and the slot, so it serves every request and every
+later step that reads that block there; it is dropped when the block is written, so a decode
+step rebuilds one block per request. Nothing shared is ever rewritten in the KV cache, and one
+physical block serves any number of requests at any offsets in the same batch. Which physical
+block sits at which home slot, and the pool's entries, are tracked per KV-cache group by the
+metadata builder, once per step.
 
-**Paths.** ``MINIPIC_CPU_ATTN=auto`` (default): requests at home run vLLM's C++ kernel on region
-[2]; only off-home requests go through the pool. ``scratch`` sends every request through the pool,
-``torch`` through the pure-torch reference (``kernels.paged_attention_rope_ref``). Why ``auto``
+**Precision.** Off-home keys are rotated twice (at write, then by the offset) where the
+reference rotates once; in fp32 the difference is at rounding level (measured in
+``tests/test_kernels.py``: about 1e-6 of the key's magnitude), in bf16 one extra rounding of the
+moved key. Home reads are exact.
+
+**Paths.** ``MINIPIC_CPU_ATTN=auto`` (default): requests at home run vLLM's C++ kernel on the
+cache; only off-home requests go through the pool. ``scratch`` sends every request through the
+pool, ``torch`` through the pure-torch reference (``kernels.paged_attention_rope_ref``, on keys
+un-rotated from the cache). Why ``auto``
 (measured per-layer and whole-engine costs of each path): ``results/cpu_backend.md`` and README.
 
 **Span isolation** (``engine_ext/span_isolation.py``): queries whose ``key_start`` is not 0 are
 split into kernel rows whose tables start at their segment's first block (``step_plan``).
 
-Invariants: nothing shared is ever rewritten in regions [0]-[2] after its block is written; a
-block's region [2] is rotated at the one slot it was written at; a pool entry holds exactly
+Invariants: nothing shared is ever rewritten in the cache after its block is written; a
+block's keys are rotated at the one slot it was written at (its home); a pool entry holds exactly
 "block rotated for slot" and is dropped when the block is written; every layer of a KV-cache group
 sees the same step plan, built once per step by the metadata builder.
 
@@ -55,7 +65,7 @@ paths (``CPU_ATTN`` -> this module, ``CUSTOM`` -> ``engine_ext.cuda_backend``) a
 loader (``engine_ext.unrotated_keys``). Both take effect only where a model is built: the worker.
 
 Limitations: decoder self-attention only (other attention types and layers without a supported
-rotary module get stock behaviour on regions [2]/[1]); no sliding window, ALiBi, sinks, fp8 KV
+rotary module get stock behaviour); no sliding window, ALiBi, sinks, fp8 KV
 cache, MRoPE, DCP/PCP; speculative decoding positions are not verified.
 """
 
@@ -77,8 +87,6 @@ CUDA_BACKEND_PATH = "engine_ext.cuda_backend.MinipicCudaAttentionBackend"
 # their home slot. scratch / torch: every request through the pool / the pure-torch path.
 ATTN_PATH_ENV = "MINIPIC_CPU_ATTN"
 ATTN_PATHS = ("auto", "scratch", "torch")
-# K/V-sized regions per (block, kv head) page: K~, V, K rotated at home (module docstring).
-NUM_REGIONS = 3
 
 _STATE: dict[str, Any] = {"installed": False}
 
@@ -131,6 +139,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVQuantMode,
 )
 
+from engine_ext import cpu_kv_layout  # noqa: E402
 from engine_ext.rotated_pool import RotatedBlocks, pool_cap_entries  # noqa: E402
 from engine_ext.span_isolation import step_key_starts  # noqa: E402
 from engine_ext.step_plan import (  # noqa: E402
@@ -139,11 +148,11 @@ from engine_ext.step_plan import (  # noqa: E402
     StepPlan,
     plan_step,
 )
-from kernels import paged_attention_rope_ref  # noqa: E402
+from kernels import paged_attention_rope_ref, rotate_by_offset, unrotate  # noqa: E402
 
 
 def position_free_spec(spec: AttentionSpec) -> bool:
-    """Whether a layer's spec gets the 3-region page (plain decoder full attention only)."""
+    """Whether a group's spec can be read position-free (plain decoder full attention only)."""
     return (
         type(spec) is FullAttentionSpec
         and spec.sliding_window is None
@@ -156,12 +165,15 @@ def position_free_spec(spec: AttentionSpec) -> bool:
     )
 
 
-def has_position_free_pages(spec: Any) -> bool:
-    """Whether ``customize_spec`` gave this (group's) spec the 3-region page."""
-    if type(spec) is not FullAttentionSpec or spec.state_content_bytes is None:
-        return False
-    itemsize = torch.tensor([], dtype=spec.dtype).element_size()
-    return spec.state_content_bytes == NUM_REGIONS * spec.head_size * itemsize
+def converted_layers(vllm_config: Any, layer_names: list[str]) -> int:
+    """How many of a group's layers store unrotated keys and rotate them in attention.
+
+    ``engine_ext.unrotated_keys`` sets ``impl.minipic_rope`` when the model is built, before
+    vLLM creates the metadata builders, so the builder can ask its own layers.
+    """
+    layers = vllm_config.compilation_config.static_forward_context
+    return sum(getattr(getattr(layers.get(name), "impl", None), "minipic_rope", None)
+               is not None for name in layer_names)
 
 
 class MinipicCPUAttentionBackend(CPUAttentionBackend):
@@ -187,23 +199,6 @@ class MinipicCPUAttentionBackend(CPUAttentionBackend):
     def get_builder_cls() -> type[MinipicCPUAttentionMetadataBuilder]:
         return MinipicCPUAttentionMetadataBuilder
 
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Make room for the third region: ``3 * head_size`` elements per (token, kv head).
-
-        Only when the model actually stores unrotated keys (some module was converted when it
-        was built, which precedes this call): an unsupported model keeps stock pages and memory.
-        """
-        from engine_ext import unrotated_keys
-
-        spec = super().customize_spec(spec)
-        if not position_free_spec(spec) or unrotated_keys.converted_count() == 0:
-            return spec
-        itemsize = torch.tensor([], dtype=spec.dtype).element_size()
-        return dataclasses.replace(
-            spec, state_content_bytes=NUM_REGIONS * spec.head_size * itemsize
-        )
-
 
 @dataclass
 class MinipicCPUAttentionMetadata(CPUAttentionMetadata):
@@ -216,7 +211,8 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.position_free = has_position_free_pages(kv_cache_spec)
+        self.position_free = (position_free_spec(kv_cache_spec)
+                              and converted_layers(vllm_config, layer_names) > 0)
         self.path = attn_path()
         self.home = HomeSlots(vllm_config.cache_config.num_gpu_blocks or 0)
         # One pool entry holds a block's rotated keys and its values in every layer of the group.
@@ -263,7 +259,7 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
 
     ``minipic_rope`` is set by ``engine_ext.unrotated_keys`` to the model's own rotary module
     once it has made that layer's keys arrive unrotated; while it is None (unsupported model or
-    layer) the layer behaves exactly like stock vLLM, using regions [2]/[1] only.
+    layer) the layer behaves exactly like stock vLLM (keys arrive rotated).
     """
 
     minipic_rope: torch.nn.Module | None = None
@@ -305,8 +301,9 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
     ) -> torch.Tensor:
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        if kv_cache.shape[-1] != NUM_REGIONS * self.head_size:
-            # Not a position-free page (non-decoder layer, sliding window...): stock path.
+        plan = attn_metadata.plan
+        if plan is None:
+            # Not a position-free group (non-decoder layer, sliding window...): stock path.
             if key is not None and value is not None:
                 super().do_kv_cache_update(layer, key, value, kv_cache,
                                            attn_metadata.slot_mapping)
@@ -316,32 +313,30 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("fused output quantization is not supported")
 
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-        regions = kv_cache.view(num_blocks, num_kv_heads, NUM_REGIONS, block_size,
-                                self.head_size)
-        k_unrot, v_cache, k_home = regions.unbind(2)  # each [blocks, kv_heads, bs, D]
+        # vLLM's stock page: [K rotated at home | V] per (block, kv head), C++ kernel layouts.
+        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size,
+                                               self.head_size).chunk(2, dim=2)
         rope = self.minipic_rope
         path = self.path if rope is not None else "auto"
         n = attn_metadata.num_actual_tokens
-        plan = attn_metadata.plan
-        assert plan is not None, "position-free page without a step plan"
 
         if key is not None and value is not None:
-            self._write(layer, key[:n], value[:n], k_unrot, v_cache, k_home, plan, rope, path)
+            self._write(layer, key[:n], value[:n], key_cache, value_cache, plan, rope)
 
         if path == "torch":
-            return self._attend_torch(query, k_unrot, v_cache, plan, attn_metadata.causal,
-                                      rope, output)
-        # Requests reading every block at its home slot: keys rotated at their home positions
-        # (region [2]) are exactly what stock vLLM computes with, so its kernel runs unchanged.
+            return self._attend_torch(layer, query, key_cache, value_cache, plan,
+                                      attn_metadata.causal, rope, output)
+        # Requests reading every block at its home slot: the cached keys are exactly what
+        # stock vLLM computes with, so its kernel runs unchanged.
         home = plan.home
         if home is None:
-            self._attend(layer, query[:n], k_home, v_cache, output[:n],
+            self._attend(layer, query[:n], key_cache, value_cache, output[:n],
                          attn_metadata.query_start_loc, attn_metadata.seq_lens,
                          attn_metadata.block_table, attn_metadata.scheduler_metadata,
                          attn_metadata.causal, attn_metadata.dynamic_causal)
         elif home.rows.numel():
             sub_out = torch.empty(home.rows.numel(), *output.shape[1:], dtype=output.dtype)
-            self._attend(layer, query[home.rows], k_home, v_cache, sub_out,
+            self._attend(layer, query[home.rows], key_cache, value_cache, sub_out,
                          home.query_start_loc, home.seq_lens, home.block_table,
                          home.scheduler_metadata, attn_metadata.causal, None)
             output[home.rows] = sub_out
@@ -350,7 +345,7 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         if rope is not None:
             # Chunk by chunk: a later chunk may reuse pool entries an earlier one attended with.
             for chunk in plan.off_home_chunks:
-                self._attend_off_home(layer, query, k_unrot, v_cache, k_home, chunk,
+                self._attend_off_home(layer, query, key_cache, value_cache, chunk,
                                       attn_metadata.causal, rope, output)
         return output
 
@@ -372,59 +367,59 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
 
     # -- write -------------------------------------------------------------------------------
 
-    def _write(self, layer: Any, key: torch.Tensor, value: torch.Tensor, k_unrot: torch.Tensor,
-               v_cache: torch.Tensor, k_home: torch.Tensor, plan: StepPlan,
-               rope: torch.nn.Module | None, path: str) -> None:
-        """Store this step's tokens: K~ (region 0), V (1), K rotated at its position (2)."""
+    def _write(self, layer: Any, key: torch.Tensor, value: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor, plan: StepPlan,
+               rope: torch.nn.Module | None) -> None:
+        """Store this step's tokens as stock vLLM does: keys rotated at their position (the
+        block's home; ``plan_step`` recorded it), values, with vLLM's own writer."""
         if plan.write_rows is not None:
             key, value = key[plan.write_rows], value[plan.write_rows]
-        if rope is None:  # keys arrived rotated (stock layer): only the stock regions
-            ops.cpu_attn_reshape_and_cache(key, value, k_home, v_cache, plan.write_slots,
-                                           layer.isa, k_scale=layer._k_scale_float,
-                                           v_scale=layer._v_scale_float,
-                                           kv_cache_dtype=self.kv_cache_dtype)
-            return
-        k_unrot[plan.write_blocks, :, plan.write_offsets] = key
-        if path == "torch":  # the pure-torch path reads plain V and never region [2]
-            v_cache[plan.write_blocks, :, plan.write_offsets] = value
-            return
-        # RoPE on keys, at write time, with the model's own op: the key stock vLLM would cache.
-        k_rot = _rotate(rope, plan.write_positions, key)
-        ops.cpu_attn_reshape_and_cache(k_rot, value, k_home, v_cache, plan.write_slots,
+        if rope is not None:  # RoPE on keys at write time, with the model's own op
+            key = _rotate(rope, plan.write_positions, key)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, plan.write_slots,
                                        layer.isa, k_scale=layer._k_scale_float,
                                        v_scale=layer._v_scale_float,
                                        kv_cache_dtype=self.kv_cache_dtype)
 
+    def _layout(self, layer: Any, key_cache: torch.Tensor) -> cpu_kv_layout.PageLayout:
+        """Where the C++ writer puts each key / value element of a page (measured once)."""
+        return cpu_kv_layout.probe(layer.isa, key_cache.dtype, key_cache.shape[2],
+                                   key_cache.shape[3])
+
     # -- read paths --------------------------------------------------------------------------
 
-    def _attend_off_home(self, layer: Any, query: torch.Tensor, k_unrot: torch.Tensor,
-                         v_cache: torch.Tensor, k_home: torch.Tensor, batch: OffHomeBatch,
-                         causal: bool, rope: torch.nn.Module, output: torch.Tensor) -> None:
-        """RoPE inside attention: keys rotated by the slot they are read at, then attended.
+    def _attend_off_home(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, batch: OffHomeBatch, causal: bool,
+                         rope: torch.nn.Module, output: torch.Tensor) -> None:
+        """RoPE inside attention: keys moved to the slot they are read at, then attended.
 
-        The rotated copies live in this layer's pool (``RotatedBlocks``); the step's plan says
+        The moved copies live in this layer's pool (``RotatedBlocks``); the step's plan says
         which entries to (re)build, after this step's writes: blocks read at their home slot
-        are copied from region [2], the others rotated from region [0] with the model's own
-        rotary op. The C++ kernel then runs on the pool with the pool's block table.
+        are copied, the others get their home keys rotated by the slot difference (one offset
+        per block). The C++ kernel then runs on the pool with the pool's block table.
         """
-        num_kv_heads, block_size, head_size = k_unrot.shape[1:]
+        num_kv_heads, block_size, head_size = key_cache.shape[1:]
         pool = self._rotated_pool(batch.pool_blocks, num_kv_heads, block_size, head_size,
-                                  k_unrot.dtype)
+                                  key_cache.dtype)
         p_key, p_value = pool.chunk(2, dim=2)
         fill = batch.fill
         if fill is not None:
             if fill.home_entries.numel():
-                p_key[fill.home_entries] = k_home[fill.home_blocks]
-                p_value[fill.home_entries] = v_cache[fill.home_blocks]
+                p_key[fill.home_entries] = key_cache[fill.home_blocks]
+                p_value[fill.home_entries] = value_cache[fill.home_blocks]
             if fill.entries.numel():
-                keys = k_unrot[fill.token_blocks, :, fill.token_offsets]  # [K, kv_heads, D]
-                keys = _rotate(rope, fill.token_positions, keys)
-                # The writer stores K in the kernel's (ISA-specific) layout and needs a value
-                # too: it gets the keys, and the block's values are copied over them after.
-                ops.cpu_attn_reshape_and_cache(keys, keys, p_key, p_value,
-                                               fill.token_pool_slots, layer.isa,
-                                               kv_cache_dtype=self.kv_cache_dtype)
-                p_value[fill.entries] = v_cache[fill.blocks]
+                layout = self._layout(layer, key_cache)
+                count = fill.entries.numel()
+                home_keys = layout.plain_keys(key_cache[fill.blocks])  # [F, heads, bs, D]
+                tokens = home_keys.transpose(1, 2).reshape(count * block_size, num_kv_heads,
+                                                           head_size)
+                moved = rotate_by_offset(tokens, fill.offsets.repeat_interleave(block_size),
+                                         rope.cos_sin_cache, rope.rotary_dim,
+                                         rope.is_neox_style)
+                moved = moved.view(count, block_size, num_kv_heads, head_size).transpose(1, 2)
+                p_key[fill.entries] = layout.packed_keys(moved).view(
+                    count, num_kv_heads, block_size, head_size)
+                p_value[fill.entries] = value_cache[fill.blocks]
         sub_out = torch.empty(batch.rows.numel(), *output.shape[1:], dtype=output.dtype)
         self._attend(layer, query[batch.rows], p_key, p_value, sub_out,
                      batch.query_start_loc, batch.seq_lens, batch.block_table,
@@ -443,15 +438,26 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
             self._pool = pool = grown
         return pool
 
-    def _attend_torch(self, query: torch.Tensor, k_unrot: torch.Tensor, v_cache: torch.Tensor,
-                      plan: StepPlan, causal: bool, rope: torch.nn.Module,
-                      output: torch.Tensor) -> torch.Tensor:
-        """The pure-torch alternative: the reference kernel on regions 0/1 (plain layouts)."""
+    def _attend_torch(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, plan: StepPlan, causal: bool,
+                      rope: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
+        """The pure-torch alternative: the reference kernel on position-free keys, un-rotated
+        from the cache by their home positions (only the blocks the step reads)."""
         assert plan.off_home_chunks, "the torch path sends every request off home"
+        assert plan.home_slots is not None
+        layout = self._layout(layer, key_cache)
+        num_kv_heads, block_size, head_size = key_cache.shape[1:]
         for batch in plan.off_home_chunks:
+            blocks, table = torch.unique(batch.global_block_table.long(), return_inverse=True)
+            home = plan.home_slots[blocks].long().clamp(min=0)  # unwritten: never read
+            positions = (home.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
+            keys = layout.plain_keys(key_cache[blocks]).transpose(1, 2)  # [U, bs, heads, D]
+            keys = unrotate(keys.reshape(-1, num_kv_heads, head_size), positions,
+                            rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)
+            values = layout.plain_values(value_cache[blocks]).transpose(1, 2)
             sub_out = paged_attention_rope_ref(
-                query[batch.rows], k_unrot.transpose(1, 2), v_cache.transpose(1, 2),
-                batch.global_block_table, batch.seq_lens, batch.query_start_loc,
+                query[batch.rows], keys.view(-1, block_size, num_kv_heads, head_size),
+                values, table.to(torch.int32), batch.seq_lens, batch.query_start_loc,
                 rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style, self.scale,
                 causal=bool(causal),
                 key_start=None if plan.key_start is None else plan.key_start[batch.rows],

@@ -4,9 +4,10 @@ What a step needs beyond vLLM's CPU attention metadata (``engine_ext/rope_attent
 runs it):
 
 * the logical position of every new token (``seq_len - query_len + t``) and where it is written;
-* which physical block sits at which *home* slot (the table slot whose position its region [2]
+* which physical block sits at which *home* slot (the table slot whose positions its cached
   keys were rotated at, ``HomeSlots``): a request reading every block at home runs vLLM's own
-  kernel on region [2] unchanged;
+  kernel on the stock page unchanged, and a block read elsewhere is rotated by the slot
+  difference;
 * the requests that read some block off home, with a block table into the rotated-block pool
   (``engine_ext/rotated_pool.py``) and the entries to (re)build this step, in chunks that fit the
   pool's cap;
@@ -14,7 +15,7 @@ runs it):
   ``key_start`` becomes its own kernel row whose table starts at that key's block.
 
 Invariants: a block is written by one request at one table slot per step (only full blocks are
-shared), so one home slot per block describes region [2] of every layer of the group; a pool
+shared), so one home slot per block describes the keys of every layer of the group; a pool
 entry depends only on (slot, block content), so it is valid until its block is written; kernel
 rows keep the step's token order, so query rows need no permutation. Pure torch: no vLLM import.
 """
@@ -55,10 +56,12 @@ class OffHomeBatch(SubBatch):
 
 
 class HomeSlots:
-    """Block-table slot at which each physical block's region [2] was rotated (-1: never).
+    """Block-table slot at which each physical block's cached keys were rotated (-1: never).
 
     One instance per KV-cache group: all layers of a group share block ids, and every layer
-    writes the same tokens in the same step, so one table describes region [2] of all of them.
+    writes the same tokens in the same step, so one table describes the keys of all of them.
+    With the page's keys stored once, rotated at home, this table is what makes them
+    position-free: a block's keys at any slot are its home keys moved by the difference.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -117,18 +120,16 @@ class HomeSlots:
 class RotatedFill:
     """Pool entries a step (re)builds: ``pool[entry] = block`` rotated for table slot ``slot``.
 
-    Entries whose block sits at its home slot are copied from region [2] (already rotated
-    there); the others are rotated from region [0], only their ``valid`` written tokens.
+    Entries whose block is read at its home slot are copied from the cache (its keys are
+    already rotated there); the others get the block's home keys rotated by ``offsets``, the
+    slot difference in tokens (``(slot - home) * block_size``, the same for every key of it).
     """
 
-    home_entries: torch.Tensor  # [H] int64 pool entries copied from region [2]
+    home_entries: torch.Tensor  # [H] int64 pool entries copied from the cache
     home_blocks: torch.Tensor  # [H] int64 their physical blocks
-    entries: torch.Tensor  # [F] int64 pool entries rotated from region [0]
+    entries: torch.Tensor  # [F] int64 pool entries rotated from home keys
     blocks: torch.Tensor  # [F] int64 their physical blocks
-    token_blocks: torch.Tensor  # [K] int64 physical block of each key to rotate
-    token_offsets: torch.Tensor  # [K] int64 offset in block
-    token_positions: torch.Tensor  # [K] int64 logical position (slot * bs + offset)
-    token_pool_slots: torch.Tensor  # [K] int64 pool slot (entry * bs + offset)
+    offsets: torch.Tensor  # [F] int64 positions to move each block's keys by
 
 
 @dataclass
@@ -141,12 +142,13 @@ class StepPlan:
     write_blocks: torch.Tensor  # [W] int64 physical block of each slot
     write_offsets: torch.Tensor  # [W] int64 offset in block
     write_positions: torch.Tensor  # [W] int64 logical positions of those rows
-    # requests that need RoPE-in-attention from region [0], in chunks that each fit the
+    # requests that read some block off its home slot, in chunks that each fit the
     # rotated-block pool's cap (one chunk unless a step reads more than the cap)
     off_home_chunks: list[OffHomeBatch]
     home: SubBatch | None  # with off_home: the other requests (None: every request is home)
     key_start: torch.Tensor | None = None  # [num_tokens] first visible key (None: causal)
     release_pool: bool = False  # the pool was released (idle): layers free their pages
+    home_slots: torch.Tensor | None = None  # HomeSlots.slot after this step's writes
 
     @property
     def off_home(self) -> OffHomeBatch | None:
@@ -216,7 +218,7 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
                     write_blocks=blocks, write_offsets=slots - blocks * block_size,
                     write_positions=write_positions, off_home_chunks=chunks, home=home_batch,
-                    key_start=key_start, release_pool=released)
+                    key_start=key_start, release_pool=released, home_slots=home.slot)
 
 
 def _off_home_chunks(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
@@ -311,7 +313,7 @@ def _off_home_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
     home_of = home.slots_of(table_blocks).tolist()  # only the blocks read
     in_use: set[tuple[int, int]] = set()
     home_fill: list[tuple[int, int]] = []
-    rot_fill: list[tuple[int, int, int, int]] = []  # entry, block, slot, valid tokens
+    rot_fill: list[tuple[int, int, int]] = []  # entry, block, offset in tokens
     for r, i in enumerate(reqs):
         n = -(-lens[i] // block_size)
         shift = slot_offset[i] if slot_offset is not None else 0
@@ -323,33 +325,26 @@ def _off_home_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
             if fill:
                 if home_of[r][col] == slot:
                     home_fill.append((entry, block))
+                elif home_of[r][col] < 0:
+                    raise RuntimeError(f"minipic: block {block} is read at slot {slot} but was "
+                                       "never written by this worker (no home slot)")
                 else:
-                    valid = min(block_size, lens[i] - col * block_size)
-                    rot_fill.append((entry, block, slot, valid))
+                    rot_fill.append((entry, block, (slot - home_of[r][col]) * block_size))
         table[r, :n] = torch.tensor(row, dtype=torch.int32)
     return OffHomeBatch(
         rows=base.rows, query_start_loc=base.query_start_loc, seq_lens=base.seq_lens,
         block_table=table, scheduler_metadata=base.scheduler_metadata,
-        fill=_fill(home_fill, rot_fill, block_size) if home_fill or rot_fill else None,
+        fill=_fill(home_fill, rot_fill) if home_fill or rot_fill else None,
         pool_blocks=rotated.capacity, global_block_table=base.block_table,
     )
 
 
-def _fill(home_fill: list[tuple[int, int]], rot_fill: list[tuple[int, int, int, int]],
-          block_size: int) -> RotatedFill:
+def _fill(home_fill: list[tuple[int, int]], rot_fill: list[tuple[int, int, int]]
+          ) -> RotatedFill:
     def column(rows: list[tuple[int, ...]], k: int) -> torch.Tensor:
         return torch.tensor([row[k] for row in rows], dtype=torch.long)
 
-    valid = column(rot_fill, 3)
-    offsets = torch.cat([torch.arange(v) for v in valid.tolist()]) if rot_fill else valid
-    token_blocks = torch.repeat_interleave(column(rot_fill, 1), valid)
-    token_slots = torch.repeat_interleave(column(rot_fill, 2), valid)
-    token_entries = torch.repeat_interleave(column(rot_fill, 0), valid)
     return RotatedFill(
         home_entries=column(home_fill, 0), home_blocks=column(home_fill, 1),
-        entries=column(rot_fill, 0), blocks=column(rot_fill, 1),
-        token_blocks=token_blocks, token_offsets=offsets,
-        token_positions=token_slots * block_size + offsets,
-        token_pool_slots=token_entries * block_size + offsets,
+        entries=column(rot_fill, 0), blocks=column(rot_fill, 1), offsets=column(rot_fill, 2),
     )
-

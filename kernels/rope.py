@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotate", "split_cos_sin"]
+__all__ = ["rotate", "rotate_by_offset", "split_cos_sin", "table_scale", "unrotate"]
 
 
 def split_cos_sin(
@@ -71,9 +71,72 @@ def rotate(
         raise ValueError(f"{positions.numel()} positions for {x.shape[0]} tokens")
 
     cos, sin = split_cos_sin(cos_sin_cache, positions, rotary_dim)
+    return _apply(x.float(), cos, sin, rotary_dim, is_neox).to(x.dtype)
+
+
+def table_scale(cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """The scale a table folds into its cos/sin (YaRN's ``mscale``; 1 for most variants).
+
+    Row 0 of the table is ``cos(0) * scale = scale`` for every frequency, so the scale is read
+    from the table itself rather than from the variant's parameters: ``[rotary_dim // 2]`` fp32.
+    """
+    cos0, _ = split_cos_sin(cos_sin_cache, torch.zeros(1, dtype=torch.long), rotary_dim)
+    return cos0[0]
+
+
+def rotate_by_offset(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
+    is_neox: bool,
+) -> torch.Tensor:
+    """Move already-rotated keys by ``offsets`` positions: ``R(p) k`` -> ``R(p + offset) k``.
+
+    RoPE rotations compose (``R(a) R(b) = R(a + b)``), so a key cached rotated at its home
+    position reaches any other position by one more rotation, by the difference. The table's
+    rows are ``scale * (cos, sin)``; the key already carries ``scale`` once, so the extra
+    rotation divides it out (``table_scale``) rather than applying it twice. A negative offset
+    is the inverse rotation: ``cos`` of ``|offset|`` with ``sin`` negated. Same shapes and
+    precision as :func:`rotate` (fp32 arithmetic, one final rounding).
+    """
+    if x.dim() != 3 or offsets.numel() != x.shape[0]:
+        raise ValueError(f"x must be [num_tokens, num_heads, head_size] with one offset per "
+                         f"token; got {tuple(x.shape)} and {offsets.numel()} offsets")
+    offsets = offsets.flatten().to(torch.long)
+    cos, sin = split_cos_sin(cos_sin_cache, offsets.abs(), rotary_dim)
+    scale = table_scale(cos_sin_cache, rotary_dim)
+    sign = torch.where(offsets < 0, -1.0, 1.0).unsqueeze(1)
+    return _apply(x.float(), cos / scale, sign * sin / scale, rotary_dim, is_neox).to(x.dtype)
+
+
+def unrotate(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
+    is_neox: bool,
+) -> torch.Tensor:
+    """The position-free key ``k~`` back from ``x = rotate(k~, positions)``.
+
+    The inverse rotation, and the table's scale divided out of the rotated dims: what an
+    export of position-free keys (the torch reference path, a span store) reads from keys the
+    cache holds rotated at their home positions.
+    """
+    moved = rotate_by_offset(x.float(), -positions.flatten().to(torch.long), cos_sin_cache,
+                             rotary_dim, is_neox)
+    scale = table_scale(cos_sin_cache, rotary_dim)
+    per_dim = scale.repeat(2) if is_neox else scale.repeat_interleave(2)
+    out = torch.cat((moved[..., :rotary_dim] / per_dim, moved[..., rotary_dim:]), dim=-1)
+    return out.to(x.dtype)
+
+
+def _apply(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+           is_neox: bool) -> torch.Tensor:
+    """``xf`` ([tokens, heads, D], fp32) rotated by per-token ``cos``/``sin`` [tokens, rot/2]."""
+    head_size = xf.shape[-1]
     cos = cos.unsqueeze(1)  # [tokens, 1, rot/2]: broadcast over heads
     sin = sin.unsqueeze(1)
-    xf = x.float()
     x_rot = xf[..., :rotary_dim]
     if is_neox:
         x1, x2 = x_rot.chunk(2, dim=-1)
@@ -87,4 +150,4 @@ def rotate(
         rotated = torch.stack((o1, o2), dim=-1).flatten(-2)
     if rotary_dim < head_size:
         rotated = torch.cat((rotated, xf[..., rotary_dim:]), dim=-1)
-    return rotated.to(x.dtype)
+    return rotated

@@ -6,10 +6,9 @@ one of those reports in this process, so a benchmark can read the peak and mean 
 interval it measures, with no polling and nothing added to the engine. Blocks held only by the
 prefix cache (evictable) count as free in that fraction, as vLLM counts them.
 
-Bytes: a block holds ``block_size`` tokens of every attention layer. With minipic's position-free
-pages a token's per-head cell is ``3 * head_size`` wide instead of ``2 * head_size``
-(``engine_ext.rope_attention_backend``: unrotated K, V, K rotated at home), so a PIC block costs
-1.5x a stock one and the same KV budget holds fewer of them.
+Bytes: a block holds ``block_size`` tokens of every attention layer, ``2 * head_size`` elements
+per token and kv head (K and V) with or without minipic: the position-free backend keeps vLLM's
+stock page (``engine_ext.rope_attention_backend``: keys stored once, rotated at their home slot).
 """
 
 from __future__ import annotations
@@ -46,13 +45,17 @@ class KVUsage(BaseModel):
         return self.blocks_total * self.block_bytes / MIB
 
 
-def kv_block_bytes(vllm_config: Any, position_free: bool) -> int:
-    """Bytes of one KV block over all attention layers, from the model config."""
+def kv_block_bytes(vllm_config: Any) -> int:
+    """Bytes of one KV block over all attention layers, from the model config.
+
+    The same with and without the position-free backend: it keeps vLLM's stock page (keys
+    stored once, rotated at their home slot; ``engine_ext/rope_attention_backend.py``).
+    """
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     layers = model.get_num_layers_by_block_type(parallel, "attention")
     itemsize = model.dtype.itemsize if vllm_config.cache_config.cache_dtype == "auto" else 1
-    cell = (3 if position_free else 2) * model.get_head_size()
+    cell = 2 * model.get_head_size()  # K and V
     return (layers * vllm_config.cache_config.block_size * model.get_num_kv_heads(parallel)
             * cell * itemsize)
 
@@ -91,7 +94,7 @@ class KVUsageMonitor:
         class _KVUsageLogger(StatLoggerBase):
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 self.vllm_config = vllm_config
-                monitor.block_bytes = kv_block_bytes(vllm_config, monitor.position_free)
+                monitor.block_bytes = kv_block_bytes(vllm_config)
 
             def record(self, scheduler_stats: Any, iteration_stats: Any,
                        mm_cache_stats: Any = None, engine_idx: int = 0) -> None:

@@ -724,3 +724,80 @@ def test_key_start_triton_matches_reference(seed: int) -> None:
     out = run_triton(b.to(DEVICE), table, 32, False,
                      key_start=key_start.to(DEVICE)).cpu()
     assert_close(out, ref, 1e-3, seed, "triton vs ref with key_start")
+
+
+# ------------------------------------------------------------------------------------------------
+# Keys stored once, rotated at home: moving them to another position equals rotating once
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rotate_by_offset_equals_rotating_once(case: str, vllm_get_rope, seed: int) -> None:
+    """``rotate_by_offset(R(h) k~, p - h) == R(p) k~`` and ``unrotate(R(h) k~, h) == k~`` for
+    every rotary variant the backend accepts: neox and gptj, partial rotary (the other dims
+    pass through), llama3 / linear tables, and YaRN, whose table folds ``mscale`` into cos/sin
+    (it must be applied once, not twice). Offsets of both signs (a span read earlier or later
+    than it was written). fp32: the difference of rotating twice vs once is rounding-level."""
+    from kernels import rotate_by_offset, unrotate
+
+    gen = _gen(seed)
+    rope = vllm_get_rope(dtype=torch.float32, **ROPE_CASES[case])
+    table, rot, neox = rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style
+    n_tok, n_heads = 41, 3
+    home = torch.randint(0, table.shape[0], (n_tok,), generator=gen)
+    target = torch.randint(0, table.shape[0], (n_tok,), generator=gen)
+    k = torch.randn(n_tok, n_heads, rope.head_size, generator=gen)
+
+    def native(pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return rope.forward_native(pos, x.reshape(n_tok, -1).clone(), None)[0].view_as(x)
+
+    at_home = native(home, k)
+    moved = rotate_by_offset(at_home, target - home, table, rot, neox)
+    once = native(target, k)
+    scale = float(table[0, 0])
+    if case == "yarn":
+        assert scale != 1.0, "the YaRN case must exercise a folded scale"
+    # fp32 tables hold cos/sin of angles up to max_position, each off by about angle * 2^-23;
+    # moving a key combines two table rows where rotating once uses one, so the two differ by
+    # that much (measured over 4000 keys: max 1.2e-4 of the key's largest element at 2k
+    # positions, 3.8e-4 at 8k; median 1.5e-5 / 6.9e-5).
+    bound = table.shape[0] * 2.0**-23
+    rel = float((moved - once).abs().max() / k.abs().max())
+    assert rel < bound, f"{case}: rotating twice vs once differs by {rel:.2e} (seed={seed})"
+    if rot < rope.head_size:
+        assert torch.equal(moved[..., rot:], k[..., rot:]), "non-rotary dims must pass through"
+    back_home = unrotate(at_home, home, table, rot, neox)
+    assert float((back_home - k).abs().max() / k.abs().max()) < bound, f"{case} (seed={seed})"
+    # moving by zero is the identity, and moving there and back returns the key
+    assert torch.equal(rotate_by_offset(at_home, torch.zeros_like(home), table, rot, neox),
+                       at_home)
+    back = rotate_by_offset(moved, home - target, table, rot, neox)
+    assert float((back - at_home).abs().max() / k.abs().max()) < 2 * bound
+
+
+def test_cpu_kv_layout_round_trips_vllm_writer(seed: int) -> None:
+    """The measured page layout reads back exactly what vLLM's C++ writer stored, for every
+    dtype (the bf16 pages use another packing on AMX hosts), and packs plain keys into the
+    layout the writer would have produced."""
+    pytest.importorskip("vllm")
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+    from vllm import _custom_ops as ops
+
+    from engine_ext.cpu_kv_layout import probe
+
+    gen = _gen(seed)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for block, head in ((32, 64), (64, 128)):
+            isa = cpu_attn._get_attn_isa(dtype, block, head)
+            layout = probe(isa, dtype, block, head)
+            keys = torch.randn(3 * block, 2, head, generator=gen).to(dtype)
+            values = torch.randn(3 * block, 2, head, generator=gen).to(dtype)
+            page = torch.zeros(3, 2, 2 * block, head, dtype=dtype)
+            key_cache, value_cache = page.chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache,
+                                           torch.arange(3 * block), isa)
+            plain = keys.view(3, block, 2, head).transpose(1, 2)  # [blocks, heads, bs, D]
+            what = f"{dtype} isa={isa} block={block} head={head}"
+            assert torch.equal(layout.plain_keys(key_cache), plain), what
+            assert torch.equal(layout.plain_values(value_cache),
+                               values.view(3, block, 2, head).transpose(1, 2)), what
+            assert torch.equal(layout.packed_keys(plain).view_as(key_cache), key_cache), what

@@ -224,7 +224,8 @@ def test_real_answer_with_the_default_model(smol_orchestrator) -> None:
 
 def test_kv_memory_in_use_is_reported(tiny_orchestrator) -> None:
     """The embedded backend's KV monitor: block bytes agree with how the CPU worker sized its
-    cache (position-free pages: 3 head-size cells per token), and a batch's peak holds at least
+    cache (vLLM's stock page, K and V of head size per token, with the position-free backend
+    on), and a batch's peak holds at least
     the blocks of its largest request while it runs."""
     backend = tiny_orchestrator.aio.backend
     monitor = backend.kv_usage

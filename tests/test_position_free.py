@@ -365,7 +365,7 @@ def _cpu_backend_scenario(path: str, dtype: torch.dtype, seed: int, monkeypatch,
     impl.minipic_rope = rope
     layer = types.SimpleNamespace(isa=cpu_attn._get_attn_isa(dtype, BLOCK, HEAD),
                                   _k_scale_float=1.0, _v_scale_float=1.0)
-    kv_cache = torch.zeros(16, KV_HEADS, BLOCK, rab.NUM_REGIONS * HEAD, dtype=dtype)
+    kv_cache = torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype)  # the stock page
     home = HomeSlots(16)
 
     def schedule(qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -184,7 +184,7 @@ class Bench:
         return out
 
     def _kv_cache(self) -> dict[str, Any]:
-        """Each engine's KV pool: same byte budget, position-free blocks cost 1.5x."""
+        """Each engine's KV pool at the same byte budget (blocks as vLLM sized them)."""
         out = {}
         for name, orc in (("stock", self.stock), ("minipic", self.pic)):
             kv = orc.backend.kv_usage.snapshot()

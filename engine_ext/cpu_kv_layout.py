@@ -1,0 +1,96 @@
+"""Where vLLM's C++ CPU attention puts each key and value element inside a KV page.
+
+The position-free CPU backend keeps vLLM's stock page (``engine_ext/rope_attention_backend.py``):
+per (block, kv head), ``block_size * head_size`` key elements then as many value elements, each
+in the layout ``cpu_attn_reshape_and_cache`` writes for the CPU's ISA (column-major keys for the
+vector kernels, quad-word-packed token groups for AMX, ...). Reading a block *off* its home slot
+needs its keys as plain ``[block_size, head_size]`` rows, to rotate them by the slot difference.
+
+Rather than re-implementing each ISA's packing (which vLLM may change in any release), the
+layout is *measured*: vLLM's own writer stores probe keys whose values encode their (token, dim)
+index, base-16 digit by digit (every digit + 1 <= 16 is exact in bf16/fp16), and reading the
+page back gives the permutation. A layout that is not a permutation of the page (a packing that
+pads, quantises or duplicates) stops the engine: the backend cannot read such keys back.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+_DIGIT_BASE = 16
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Permutations between plain ``[block_size * head_size]`` rows and a page's K / V region.
+
+    ``plain = region[..., *_gather]`` and ``region = plain[..., *_scatter]``, on the last
+    dimension of ``[..., block_size * head_size]`` views.
+    """
+
+    block_size: int
+    head_size: int
+    key_gather: torch.Tensor
+    key_scatter: torch.Tensor
+    value_gather: torch.Tensor
+    value_scatter: torch.Tensor
+
+    def plain_keys(self, key_region: torch.Tensor) -> torch.Tensor:
+        """``[n, heads, bs * D]`` page keys -> ``[n, heads, bs, D]`` plain keys."""
+        flat = key_region.reshape(*key_region.shape[:2], -1)
+        return flat[..., self.key_gather].view(*flat.shape[:2], self.block_size,
+                                                self.head_size)
+
+    def packed_keys(self, plain: torch.Tensor) -> torch.Tensor:
+        """``[n, heads, bs, D]`` plain keys -> ``[n, heads, bs * D]`` in the page's layout."""
+        return plain.reshape(*plain.shape[:2], -1)[..., self.key_scatter]
+
+    def plain_values(self, value_region: torch.Tensor) -> torch.Tensor:
+        """``[n, heads, bs * D]`` page values -> ``[n, heads, bs, D]`` plain values."""
+        flat = value_region.reshape(*value_region.shape[:2], -1)
+        return flat[..., self.value_gather].view(*flat.shape[:2], self.block_size,
+                                                  self.head_size)
+
+
+@functools.cache
+def probe(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> PageLayout:
+    """Measure the C++ writer's page layout for this ISA, dtype and page shape (cached)."""
+    from vllm import _custom_ops as ops
+
+    cells = block_size * head_size
+    index = torch.arange(cells).view(block_size, 1, head_size)  # [tokens, heads=1, D]
+    found_k = torch.zeros(cells, dtype=torch.long)
+    found_v = torch.zeros(cells, dtype=torch.long)
+    digits = max(1, -(-(cells - 1).bit_length() // 4))
+    for d in range(digits):
+        place = _DIGIT_BASE ** d
+        probe_kv = ((index // place) % _DIGIT_BASE + 1).to(dtype)
+        page = torch.zeros(1, 1, 2 * block_size, head_size, dtype=dtype)
+        key_cache, value_cache = page.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(probe_kv, probe_kv, key_cache, value_cache,
+                                       torch.arange(block_size), isa)
+        for found, region in ((found_k, key_cache), (found_v, value_cache)):
+            got = region.reshape(-1).to(torch.long)
+            if bool((got < 1).any()):
+                raise RuntimeError(
+                    f"minipic: vLLM's CPU KV writer (isa={isa}, dtype={dtype}, block "
+                    f"{block_size}, head {head_size}) leaves page elements unwritten; the "
+                    "position-free backend cannot read its keys back")
+            found += (got - 1) * place
+    return PageLayout(block_size, head_size, *_permutation(found_k, "key"),
+                      *_permutation(found_v, "value"))
+
+
+def _permutation(page_holds: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gather, scatter)`` from ``page_holds[p]`` = plain index stored at page position p."""
+    cells = page_holds.numel()
+    if not torch.equal(torch.sort(page_holds).values, torch.arange(cells)):
+        raise RuntimeError(f"minipic: vLLM's CPU KV writer does not store {what}s as a "
+                           "permutation of the page; the position-free backend cannot read "
+                           "them back")
+    gather = torch.empty(cells, dtype=torch.long)
+    gather[page_holds] = torch.arange(cells)
+    return gather, page_holds.clone()
