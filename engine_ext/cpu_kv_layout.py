@@ -4,13 +4,14 @@ The position-free CPU backend keeps vLLM's stock page (``engine_ext/rope_attenti
 per (block, kv head), ``block_size * head_size`` key elements then as many value elements, each
 in the layout ``cpu_attn_reshape_and_cache`` writes for the CPU's ISA (column-major keys for the
 vector kernels, quad-word-packed token groups for AMX, ...). Reading a block *off* its home slot
-needs its keys as plain ``[block_size, head_size]`` rows, to rotate them by the slot difference.
+the keys rotated by the slot difference, so the layout must be known.
 
 Rather than re-implementing each ISA's packing (which vLLM may change in any release), the
 layout is *measured*: vLLM's own writer stores probe keys whose values encode their (token, dim)
 index, base-16 digit by digit (every digit + 1 <= 16 is exact in bf16/fp16), and reading the
 page back gives the permutation. A layout that is not a permutation of the page (a packing that
 pads, quantises or duplicates) stops the engine: the backend cannot read such keys back.
+
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ _DIGIT_BASE = 16
 @dataclass(frozen=True)
 class PageLayout:
     """Permutations between plain ``[block_size * head_size]`` rows and a page's K / V region.
+
+    (Regions here are the two halves of vLLM's stock page: keys, then values.)
 
     ``plain = region[..., *_gather]`` and ``region = plain[..., *_scatter]``, on the last
     dimension of ``[..., block_size * head_size]`` views.
@@ -53,6 +56,24 @@ class PageLayout:
         flat = value_region.reshape(*value_region.shape[:2], -1)
         return flat[..., self.value_gather].view(*flat.shape[:2], self.block_size,
                                                   self.head_size)
+
+
+    def token_keys(self, key_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Keys of ``blocks`` as plain token rows ``[len(blocks) * bs, heads * D]``.
+
+        The row order of vLLM's rotary op and writer (token, then head, then dim), read from
+        the packed pages in one gather.
+        """
+        heads = key_cache.shape[1]
+        pages = key_cache[blocks].reshape(blocks.numel(), -1)  # [n, heads * bs * D]
+        return pages[:, self._token_major(heads)].view(-1, heads * self.head_size)
+
+    @functools.cache  # noqa: B019 (a handful of layouts, alive for the whole process)
+    def _token_major(self, heads: int) -> torch.Tensor:
+        """Index into a block's ``[heads * bs * D]`` pages giving ``[bs, heads, D]`` order."""
+        cells = self.block_size * self.head_size
+        per_token = self.key_gather.view(self.block_size, 1, self.head_size)
+        return (torch.arange(heads).view(1, heads, 1) * cells + per_token).flatten()
 
 
 @functools.cache

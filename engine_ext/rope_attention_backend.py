@@ -19,7 +19,8 @@ block-table slot ``s`` holds ``R_{s*bs+o} k~``, exactly what stock vLLM caches, 
 token is stock's (1.00x). What makes the cache position-free is the home-slot table
 (``step_plan.HomeSlots``, one per KV-cache group): RoPE rotations compose, ``R(a) R(b) =
 R(a + b)``, so a block's keys at another slot ``t`` are its home keys rotated once more by
-``(t - s) * bs`` -- the same offset for every key of the block (``kernels.rotate_by_offset``;
+``(t - s) * bs`` -- the same offset for every key of the block (``kernels.rotate_by_offset``,
+as a table for the model's own rotary op: ``kernels.offset_cos_sin_cache``;
 a table that folds a scale into cos/sin, YaRN's ``mscale``, is divided out of that second
 rotation, so it is applied once). The position-free key ``k~`` itself is recovered by the
 inverse rotation (``kernels.unrotate``), which is how anything that must hold position-free keys
@@ -148,7 +149,7 @@ from engine_ext.step_plan import (  # noqa: E402
     StepPlan,
     plan_step,
 )
-from kernels import paged_attention_rope_ref, rotate_by_offset, unrotate  # noqa: E402
+from kernels import offset_cos_sin_cache, paged_attention_rope_ref, unrotate  # noqa: E402
 
 
 def position_free_spec(spec: AttentionSpec) -> bool:
@@ -408,17 +409,9 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
                 p_key[fill.home_entries] = key_cache[fill.home_blocks]
                 p_value[fill.home_entries] = value_cache[fill.home_blocks]
             if fill.entries.numel():
-                layout = self._layout(layer, key_cache)
-                count = fill.entries.numel()
-                home_keys = layout.plain_keys(key_cache[fill.blocks])  # [F, heads, bs, D]
-                tokens = home_keys.transpose(1, 2).reshape(count * block_size, num_kv_heads,
-                                                           head_size)
-                moved = rotate_by_offset(tokens, fill.offsets.repeat_interleave(block_size),
-                                         rope.cos_sin_cache, rope.rotary_dim,
-                                         rope.is_neox_style)
-                moved = moved.view(count, block_size, num_kv_heads, head_size).transpose(1, 2)
-                p_key[fill.entries] = layout.packed_keys(moved).view(
-                    count, num_kv_heads, block_size, head_size)
+                move_home_keys(self._layout(layer, key_cache), key_cache, fill.blocks,
+                               fill.offsets, rope, p_key, p_value, fill.entries, layer.isa,
+                               self.kv_cache_dtype)
                 p_value[fill.entries] = value_cache[fill.blocks]
         sub_out = torch.empty(batch.rows.numel(), *output.shape[1:], dtype=output.dtype)
         self._attend(layer, query[batch.rows], p_key, p_value, sub_out,
@@ -464,6 +457,42 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
             )
             output[batch.rows] = sub_out
         return output
+
+
+def move_home_keys(layout: cpu_kv_layout.PageLayout, key_cache: torch.Tensor,
+                   blocks: torch.Tensor, offsets: torch.Tensor, rope: torch.nn.Module,
+                   pool_keys: torch.Tensor, pool_values: torch.Tensor, entries: torch.Tensor,
+                   isa: str, kv_cache_dtype: str = "auto") -> None:
+    """Pool entries ``entries`` get the keys of ``blocks`` moved by ``offsets`` positions.
+
+    The blocks' home keys are read as token rows through the measured page layout, moved by
+    the model's own rotary op with a table of offsets (``kernels.offset_cos_sin_cache``: one
+    more rotation by the slot difference, the table's scale divided out) and packed into the
+    pool by vLLM's writer. The writer needs values too: it gets the keys, and the caller copies
+    the blocks' values over them.
+    """
+    num_kv_heads, block_size, head_size = key_cache.shape[1:]
+    keys = layout.token_keys(key_cache, blocks)  # [n * bs, heads * D]
+    table, shift = _offset_table(rope, keys.dtype)
+    ops.rotary_embedding((offsets + shift).repeat_interleave(block_size), keys, None,
+                         head_size, table, rope.is_neox_style)
+    keys = keys.view(-1, num_kv_heads, head_size)
+    slots = (entries.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
+    ops.cpu_attn_reshape_and_cache(keys, keys, pool_keys, pool_values, slots, isa,
+                                   kv_cache_dtype=kv_cache_dtype)
+
+
+def _offset_table(rope: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``(table, shift)``: row ``offset + shift`` of ``table`` moves a key by ``offset``.
+
+    Kept on the rotary module, which vLLM shares between all layers of a model (``get_rope``
+    caches it), so the table (``2 * max_position`` rows) exists once per model and dtype.
+    """
+    tables = rope.__dict__.setdefault("_minipic_offset_tables", {})
+    if dtype not in tables:
+        table = offset_cos_sin_cache(rope.cos_sin_cache, rope.rotary_dim)
+        tables[dtype] = (table.to(dtype), rope.cos_sin_cache.shape[0] - 1)
+    return tables[dtype]
 
 
 def _rotate(rope: torch.nn.Module, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotate", "rotate_by_offset", "split_cos_sin", "table_scale", "unrotate"]
+__all__ = [
+    "offset_cos_sin_cache", "rotate", "rotate_by_offset", "split_cos_sin", "table_scale",
+    "unrotate",
+]
 
 
 def split_cos_sin(
@@ -108,6 +111,22 @@ def rotate_by_offset(
     scale = table_scale(cos_sin_cache, rotary_dim)
     sign = torch.where(offsets < 0, -1.0, 1.0).unsqueeze(1)
     return _apply(x.float(), cos / scale, sign * sin / scale, rotary_dim, is_neox).to(x.dtype)
+
+
+def offset_cos_sin_cache(cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """A table in the model's format whose row ``offset + max_position - 1`` rotates by
+    ``offset`` (any sign), the model's scale divided out: :func:`rotate_by_offset` as a table.
+
+    For the model's own (C++) rotary op, which rotates by table rows: a key cached rotated at
+    home is moved by one call of that op with this table and ``offset + max_position - 1`` as
+    positions. ``[2 * max_position - 1, rotary_dim]`` fp32; cast it to the keys' dtype.
+    """
+    max_position = cos_sin_cache.shape[0]
+    offsets = torch.arange(-(max_position - 1), max_position)
+    cos, sin = split_cos_sin(cos_sin_cache, offsets.abs(), rotary_dim)
+    scale = table_scale(cos_sin_cache, rotary_dim)
+    sign = torch.where(offsets < 0, -1.0, 1.0).unsqueeze(1)
+    return torch.cat((cos / scale, sign * sin / scale), dim=-1)
 
 
 def unrotate(
