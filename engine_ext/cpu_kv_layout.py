@@ -62,11 +62,33 @@ class PageLayout:
         """Keys of ``blocks`` as plain token rows ``[len(blocks) * bs, heads * D]``.
 
         The row order of vLLM's rotary op and writer (token, then head, then dim), read from
-        the packed pages in one gather.
+        the packed pages. Every off-home fill reads its blocks through here (30 layers x every
+        block of a reused span), so the copy is the fast one for the layout: a strided
+        transpose when the page is ``[D, bs]`` (the vector kernels' column-major keys), else
+        one flat ``index_select``. Both are exact copies; the first version (``key_cache[blocks]``
+        then a gather on the page dimension) took 9.5 ms per layer for 256 blocks on the
+        2-core box (``benchmarks/ttft_bound.py`` found it: ~30% of an 8k cached final).
         """
         heads = key_cache.shape[1]
-        pages = key_cache[blocks].reshape(blocks.numel(), -1)  # [n, heads * bs * D]
-        return pages[:, self._token_major(heads)].view(-1, heads * self.head_size)
+        n = blocks.numel()
+        # the cache is a strided view (keys then values per head): one copy of the blocks read
+        pages = key_cache.index_select(0, blocks)  # contiguous [n, heads, bs, D]
+        if self._column_major_keys():
+            # contiguous(): for one block the reshape is a strided view, and vLLM's rotary op
+            # and writer need dense rows
+            return pages.view(n, heads, self.head_size, self.block_size).permute(
+                0, 3, 1, 2).contiguous().view(n * self.block_size, heads * self.head_size)
+        page = pages[0].numel() if n else 0
+        index = (torch.arange(n).unsqueeze(1) * page
+                 + self._token_major(heads).unsqueeze(0)).flatten()
+        return pages.reshape(-1).index_select(0, index).view(-1, heads * self.head_size)
+
+    @functools.cache  # noqa: B019 (a handful of layouts, alive for the whole process)
+    def _column_major_keys(self) -> bool:
+        """Whether the key page is plain ``[D, bs]``: key ``(t, d)`` at page cell ``d*bs + t``."""
+        transpose = torch.arange(self.block_size * self.head_size).view(
+            self.head_size, self.block_size).t().flatten()
+        return torch.equal(self.key_gather, transpose)
 
     @functools.cache  # noqa: B019 (a handful of layouts, alive for the whole process)
     def _token_major(self, heads: int) -> torch.Tensor:

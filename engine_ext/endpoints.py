@@ -1,6 +1,7 @@
 """HTTP routes minipic adds to vLLM's OpenAI server (``vllm.endpoint_plugins`` entry point).
 
-``GET /minipic/config`` states the span configuration and plugin features the server runs with,
+``GET /minipic/config`` states the span configuration and plugin features the server runs with
+(and, when configured, the span store's counters: tokens loaded per tier, blocks saved),
 so a client can refuse to talk to a server whose SSEP/PDEP ids or block size differ from its own
 (a mismatch would not fail loudly: spans would just never hit, or hit wrongly).
 
@@ -72,6 +73,18 @@ async def _ckpt_summary(request: Any) -> dict[str, Any] | None:
             "server_plan": policy.get("server_plan"), "plan_source": policy.get("plan_source")}
 
 
+async def _span_store_summary(request: Any) -> dict[str, Any] | None:
+    """The span store's counters (tokens loaded per tier, blocks saved, failed fills), asked
+    of the EngineCore; None when the server runs no store."""
+    engine = getattr(request.app.state, "engine_client", None)
+    core = getattr(engine, "engine_core", None)
+    if core is None or not hasattr(core, "call_utility_async"):
+        return None
+    from engine_ext.span_store.stats import STATS_METHOD
+
+    return await core.call_utility_async(STATS_METHOD)
+
+
 class MinipicEndpoints:
     name = "minipic"
     required_tasks = None
@@ -87,6 +100,8 @@ class MinipicEndpoints:
             config = current_config()
             if "ckpt" in config["features"]:
                 config["ckpt"] = await _ckpt_summary(request)
+            if "holes" in config["features"]:
+                config["span_store"] = await _span_store_summary(request)
             return JSONResponse(config)
 
         async def reset_prefix_cache(request: Request) -> JSONResponse:

@@ -43,8 +43,14 @@ instead of one; the other requests of the batch run in those steps as usual (con
 and each step computes only its hole. A prompt whose spans are all warm has one hole (the
 question) and runs exactly as before.
 
+**Span store** (``engine_ext/span_store``, a KV connector): when configured, the lookup first
+asks it for the request's span blocks that miss the pool; blocks it holds are filled into fresh
+pool blocks and hashed one step later, and the request's next lookup finds them here like any
+cached block (``engine_ext/span_store/scheduler_side.py``). The connector's own contiguous
+"external tokens" are always 0, so nothing else of this module changes.
+
 Not covered (stock lookup kept): hybrid models (recurrent state depends on the whole prefix),
-engines with several KV-cache groups, a KV connector, requests without span opt-in.
+engines with several KV-cache groups, other KV connectors, requests without span opt-in.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from span_contract.span_config import spans_opted_in
 logger = logging.getLogger("vllm.minipic.hole_lookup")
 
 PENDING_ATTR = "_minipic_cached_runs"
+STORE_ATTR = "_minipic_span_store"  # the span store's scheduler half (engine_ext/span_store)
 
 
 
@@ -177,6 +184,11 @@ def _wrap_get_computed_blocks(stock: Any) -> Any:
     @functools.wraps(stock)
     def get_computed_blocks(self: Any, request: Any) -> Any:
         _release(self, request)  # a re-lookup (admission retried) starts from scratch
+        store = getattr(self, STORE_ATTR, None)
+        if store is not None and self.prefix_cache_lookup_enabled(request):
+            manager = _single_full_attention_manager(self)
+            if manager is not None:  # store-held span blocks get pool blocks and fills
+                store.promote(self, request, manager)
         blocks, num_hit, boundary = stock(self, request)
         if (spans_opted_in(getattr(request, "sampling_params", None))
                 and self.prefix_cache_lookup_enabled(request)):
@@ -249,6 +261,9 @@ def install() -> None:
 
     kvm = "vllm.v1.core.kv_cache_manager:KVCacheManager"
     sched = "vllm.v1.core.sched.scheduler:Scheduler"
+    from engine_ext.span_store import stats as span_store_stats
+
+    span_store_stats.install()  # the span store's counters (a KV connector, if configured)
     patches.apply("holes", {
         f"{kvm}.get_computed_blocks": _wrap_get_computed_blocks,
         f"{kvm}.allocate_slots": _wrap_allocate_slots,

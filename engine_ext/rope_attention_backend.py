@@ -90,6 +90,9 @@ ATTN_PATH_ENV = "MINIPIC_CPU_ATTN"
 ATTN_PATHS = ("auto", "scratch", "torch")
 
 _STATE: dict[str, Any] = {"installed": False}
+# Metadata builder of each position-free layer, in this worker: what a KV connector that fills
+# blocks from outside the forward (engine_ext/span_store) needs to tell the home-slot table.
+BUILDERS: dict[str, Any] = {}
 
 
 def install(config: SpanConfig) -> None:
@@ -223,6 +226,18 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         longest = -(-vllm_config.model_config.max_model_len // kv_cache_spec.block_size)
         self.rotated = RotatedBlocks(cap=pool_cap_entries(entry_bytes, longest),
                                      entry_bytes=entry_bytes)
+        if self.position_free:
+            BUILDERS.update(dict.fromkeys(layer_names, self))
+
+    def blocks_filled(self, blocks: list[int], home_slots: list[int]) -> None:
+        """Blocks whose pages were written outside a forward (a span store load), with keys
+        rotated at ``home_slots``: record their home and drop stale rotated copies."""
+        if not blocks:
+            return
+        ids = torch.tensor(blocks, dtype=torch.long)
+        self.home.slots_of(ids)  # grows the table when needed
+        self.home.slot[ids] = torch.tensor(home_slots, dtype=torch.int32)
+        self.rotated.invalidate(blocks)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> MinipicCPUAttentionMetadata:

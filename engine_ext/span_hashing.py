@@ -144,6 +144,31 @@ def make_span_block_hasher(
     return request_block_hasher
 
 
+def span_chained_blocks(request: Any, block_size: int, config: SpanConfig) -> list[bool]:
+    """Per full block of ``request``: is it span-chained (its hash and KV cover only its span)?
+
+    The blocks the hasher chains from an SSEP-led block, up to the next PDEP-led one: their
+    hash restarts at the SSEP block (salt and LoRA keys included), and span isolation makes
+    their KV depend on their span's tokens alone. Those are the blocks a span store may keep
+    under their hash; any other block's KV depends on the whole prefix. Same rule as
+    :func:`make_span_block_hasher`, derived from the tokens (False throughout for a request
+    that did not opt in).
+    """
+    num_blocks = len(request.block_hashes)
+    if not spans_opted_in(getattr(request, "sampling_params", None)):
+        return [False] * num_blocks
+    tokens = request.all_token_ids
+    flags, in_span = [], False
+    for index in range(num_blocks):
+        first = tokens[index * block_size]
+        if first == config.ssep_id:
+            in_span = True
+        elif first == config.pdep_id:
+            in_span = False
+        flags.append(in_span)
+    return flags
+
+
 # The EngineCore's config, recorded when it builds its scheduler (just before the hasher).
 _ENGINE: dict[str, Any] = {"vllm_config": None}
 

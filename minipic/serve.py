@@ -28,6 +28,7 @@ from engine_ext.endpoints import CACHE_RESET_ENV, RESET_PATH
 from serving.cluster_app import ROUTERS
 from serving.supervise import supervise
 from span_contract.engine_config import EngineSettings
+from span_contract.span_store_config import SpanStoreConfig
 
 DEFAULT_SERVED_NAME = "minipic"
 
@@ -97,6 +98,19 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                            "(default: %(default)s)")
     ckpt.add_argument("--ckpt-half-life", type=float, default=None, metavar="H",
                       help="learn: an observation H requests old weighs half (drifting traffic)")
+    store = p.add_argument_group(
+        "span store", "span KV kept outside the engine's pool (engine_ext/span_store): saved "
+        "once when computed, loaded wherever a later prompt needs it, after an eviction or a "
+        "restart, and by every replica")
+    store.add_argument("--span-store", default=None, metavar="DIR|off",
+                       help="directory of the store's disk tier (bounded, crash-safe); with "
+                            "--replicas it is the tier every replica shares (default: off)")
+    store.add_argument("--span-store-gib", type=float, default=8.0, metavar="GIB",
+                       help="bound of the disk tier (default: %(default)s)")
+    store.add_argument("--span-store-ram-mib", type=int, default=256, metavar="MIB",
+                       help="host-RAM LRU in front of it, per engine (default: %(default)s)")
+    store.add_argument("--span-store-shared", default=None, metavar="DIR",
+                       help="an extra tier shared with other servers (a shared mount)")
     scale = p.add_argument_group(
         "scale-out on Ray Serve",
         "Run N replicas of this server behind one URL, routed by where spans are cached "
@@ -137,6 +151,22 @@ def ckpt_config(args: argparse.Namespace) -> CheckpointConfig | None:
                             histogram_file=str(Path(args.ckpt_histogram).resolve()))
 
 
+def span_store_config(args: argparse.Namespace) -> SpanStoreConfig | None:
+    """The store the ``--span-store*`` flags describe (None: off). With ``--replicas`` the
+    directory is shared by all replicas, so it is their shared tier rather than a local one."""
+    path = args.span_store
+    if path is None or path.lower() in ("off", "none", "0"):
+        if args.span_store_shared is None:
+            return None
+        path = None
+    shared = args.span_store_shared
+    if path is not None and getattr(args, "replicas", None) is not None and shared is None:
+        path, shared = None, path
+    return SpanStoreConfig(dir=path, disk_gib=args.span_store_gib,
+                           ram_mib=args.span_store_ram_mib, shared_dir=shared,
+                           shared_gib=args.span_store_gib)
+
+
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     """Engine settings for the parsed ``serve`` flags (not yet resolved)."""
     ckpt = ckpt_config(args)
@@ -155,6 +185,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         pic=not args.no_pic,
         features=features,
         ckpt=ckpt,
+        span_store=span_store_config(args),
     )
 
 

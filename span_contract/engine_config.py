@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from span_contract.checkpoint_config import CheckpointConfig
 from span_contract.cpu_runtime import preload_env
 from span_contract.span_config import ALL_FEATURES, SpanConfig
+from span_contract.span_store_config import SpanStoreConfig
 
 PLUGIN_NAME = "minipic"
 # Key of minipic's settings in vLLM's ``additional_config`` (part of vLLM's config hash).
@@ -64,7 +65,15 @@ class EngineSettings(BaseModel):
         True, description="False = vLLM without prefix caching (the exactness baseline)")
     ckpt: CheckpointConfig | None = Field(
         None, description="sparse recurrent checkpoints (feature `ckpt`); None = defaults")
+    span_store: SpanStoreConfig | None = Field(
+        None, description="span KV kept outside the engine (RAM, disk, shared); None = off")
     extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("span_store", mode="before")
+    @classmethod
+    def _store_from_path(cls, value: Any) -> Any:
+        """``span_store="path"`` is the local disk tier at that path, other settings default."""
+        return {"dir": str(value)} if isinstance(value, str | Path) else value
 
     def resolved(self) -> EngineSettings:
         """Fill in the model folder (converting the default model on first use) and span ids."""
@@ -79,7 +88,14 @@ class EngineSettings(BaseModel):
             raise ValueError(
                 f"span_config.block_size={span.block_size} != engine block_size={self.block_size}"
             )
-        return self.model_copy(update={"model": model, "span_config": span})
+        store = self.span_store
+        if store is not None:
+            if not self.pic or not {"hash", "holes", "rope"} <= set(self.features):
+                raise ValueError("span_store needs the minipic plugin with its hash, rope and "
+                                 "holes features")
+            store = store.resolved(model)
+        return self.model_copy(update={"model": model, "span_config": span,
+                                       "span_store": store})
 
     def plugin_env(self) -> dict[str, str]:
         """Environment for the engine processes: plugin on with our ids, or explicitly off; on
@@ -135,6 +151,8 @@ class EngineSettings(BaseModel):
             "disable_log_stats": False,
             **({"additional_config": self.additional_config()} if self.pic else {}),
             **self._ckpt_engine_args(),
+            **({"kv_transfer_config": self.span_store.kv_transfer_config()}
+               if self.span_store is not None and self.pic else {}),
             **self.extra,
         }
 
@@ -157,6 +175,8 @@ class EngineSettings(BaseModel):
             argv.append("--enforce-eager")
         if self.pic and "additional_config" not in self.extra:
             argv += ["--additional-config", json.dumps(self.additional_config())]
+        if self.span_store is not None and self.pic:
+            argv += ["--kv-transfer-config", json.dumps(self.span_store.kv_transfer_config())]
         for key, value in self._ckpt_engine_args().items():
             if key not in self.extra:
                 argv += ["--" + key.replace("_", "-"), str(value)]

@@ -801,3 +801,9 @@ def test_cpu_kv_layout_round_trips_vllm_writer(seed: int) -> None:
             assert torch.equal(layout.plain_values(value_cache),
                                values.view(3, block, 2, head).transpose(1, 2)), what
             assert torch.equal(layout.packed_keys(plain).view_as(key_cache), key_cache), what
+            # token rows of some blocks (one block too: vLLM's ops need dense rows)
+            for blocks in (torch.tensor([1]), torch.tensor([2, 0])):
+                rows = layout.token_keys(key_cache, blocks)
+                assert rows.is_contiguous(), what
+                want = keys.view(3, block, 2 * head)[blocks].reshape(-1, 2 * head)
+                assert torch.equal(rows, want), what

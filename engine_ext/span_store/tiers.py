@@ -268,7 +268,7 @@ class RamTier:
                     "too_large": self._too_large}
 
 
-class _DirGoneError(OSError):
+class _DirectoryVanished(OSError):
     """The store directory is gone and cannot be recreated."""
 
 
@@ -450,7 +450,7 @@ class DirTier:
         try:
             mtime = self._write_file(key, path, parts)
             exists = mtime is None
-        except _DirGoneError as exc:
+        except _DirectoryVanished as exc:
             self._disable_writes(exc, "the store directory vanished and cannot be recreated")
         except OSError as exc:
             self._on_write_error(exc, path)
@@ -610,13 +610,13 @@ class DirTier:
     def _recreate(self, shard: Path) -> None:
         """The shard folder is missing: recreate it, and the root if the whole store was
         deleted (then everything we indexed is gone too). If the root is gone and cannot be
-        recreated, raise ``_DirGoneError``; any other failure is an ordinary write error."""
+        recreated, raise ``_DirectoryVanished``; any other failure is an ordinary write error."""
         root_gone = not self.path.is_dir()
         try:
             shard.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             if root_gone:
-                raise _DirGoneError(exc.errno, exc.strerror) from exc
+                raise _DirectoryVanished(exc.errno, exc.strerror) from exc
             raise
         if root_gone:
             logger.warning("span store %r: directory %s vanished; recreated it (its entries "

@@ -1,0 +1,229 @@
+"""The span store behind vLLM's KV-connector API (``KVConnectorBase_V1``, loaded by module path).
+
+**What is stored.** Every full span-chained block an engine computes -- in a span prefill, a
+hole of the lookup past misses, or a cold final -- once: the block's pages of every attention
+layer as the engine holds them, and the table slot it was written at (its home; on CPU the
+cached keys are rotated there). Span-chained blocks (``span_hashing.span_chained_blocks``) are the
+SSEP-led block of a span and the blocks that follow it up to the next PDEP block: span
+isolation in attention makes their KV a function of the span's tokens alone, which is what their
+hash names. No other block is stored: its KV depends on the whole prefix.
+
+**Under which key.** ``keys.entry_key``: the block hash (tokens, span chain, ``cache_salt``, LoRA)
+mixed with a fingerprint of the weights, dtype, block size, span config, KV page layout and
+format version, and vLLM's root hash. Entries also carry the fingerprint in their header: an
+entry written by another model or config is never read. A tenant's blocks hash with its salt, so
+another tenant (or no salt) never finds them, at any position.
+
+**Why a loaded block is the block the engine would have computed.** Its bytes are the pages
+the engine wrote when it computed that hash, and the home slot they were rotated at comes with
+them (``worker_side``); reads elsewhere move the keys by the slot difference like any cached
+block's. How loads reach requests anywhere in a prompt (not only right after the local hit,
+which is all this API's ``get_num_new_matched_tokens`` can report): ``scheduler_side``.
+
+Tiers (``tiers``): a bounded RAM LRU in the worker, in front of a bounded crash-safe directory on
+local disk and, for several replicas, a shared directory. vLLM's KV connector API is an
+extension point, so the store adds no rows to ``engine_ext/patches.py``: it is reached from the
+lookup wrapper ``engine_ext/hole_lookup.py`` already installs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from engine_ext.hole_lookup import STORE_ATTR  # on the KVCacheManager: our scheduler half
+from engine_ext.span_store.keys import config_fingerprint
+from span_contract.errors import EngineIntegrationError
+from span_contract.span_config import SpanConfig
+from span_contract.span_store_config import SpanStoreConfig
+
+logger = logging.getLogger("vllm.minipic.span_store")
+
+
+
+@dataclass
+class SpanStoreMetadata(KVConnectorMetadata):
+    loads: list[tuple[int, str]] = field(default_factory=list)  # (block id, key)
+    saves: list[tuple[int, str, int]] = field(default_factory=list)  # (block id, key, slot)
+
+
+@dataclass
+class SpanStoreWorkerMetadata(KVConnectorWorkerMetadata):
+    loaded: list[tuple[int, str]] = field(default_factory=list)  # (block id, source tier)
+    failed: list[int] = field(default_factory=list)
+    saved: list[str] = field(default_factory=list)
+    not_saved: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, SpanStoreWorkerMetadata)
+        return SpanStoreWorkerMetadata(self.loaded + other.loaded, self.failed + other.failed,
+                                       self.saved + other.saved,
+                                       self.not_saved + other.not_saved)
+
+
+def _tiers(config: SpanStoreConfig, fingerprint: str) -> list[Any]:
+    from engine_ext.span_store.tiers import DirTier
+
+    tiers = []
+    if config.dir:
+        tiers.append(DirTier(config.dir, int(config.disk_gib * 2**30), fingerprint, "disk"))
+    if config.shared_dir:
+        tiers.append(DirTier(config.shared_dir, int(config.shared_gib * 2**30), fingerprint,
+                             "shared"))
+    return tiers
+
+
+class MinipicSpanStore(KVConnectorBase_V1):
+    """Span KV outside the engine: saved once when computed, loaded wherever a prompt needs it."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.config = SpanStoreConfig.from_extra_config(extra)
+        span = SpanConfig.from_env()
+        if span is None:
+            raise EngineIntegrationError(
+                "the minipic span store needs the minipic plugin (span hashing and the "
+                "position-free backend); start the engine through minipic")
+        if vllm_config.scheduler_config.async_scheduling or (
+                vllm_config.parallel_config.pipeline_parallel_size > 1):
+            raise EngineIntegrationError(
+                "the minipic span store fills blocks before a step's forward; async "
+                "scheduling and pipeline parallelism would let a fill race an earlier write")
+        self.fingerprint = config_fingerprint(vllm_config, self.config.weights_digest, span)
+        self.block_size = vllm_config.cache_config.block_size
+        tiers = _tiers(self.config, self.fingerprint)
+        self.lookup = None
+        self.pages = None
+        self._results = SpanStoreWorkerMetadata()
+        if role == KVConnectorRole.SCHEDULER:
+            from engine_ext.span_store.scheduler_side import StoreLookup
+
+            self.lookup = StoreLookup(tiers, self.fingerprint, self.block_size, span)
+            logger.info("minipic span store: fingerprint %s, tiers %s (RAM %d MiB in the "
+                        "worker)", self.fingerprint, [t.name for t in tiers], self.config.ram_mib)
+        else:
+            from engine_ext.span_store.tiers import Entry, RamTier, TieredStore
+            from engine_ext.span_store.worker_side import PageCopier
+
+            ram = RamTier(self.config.ram_mib << 20) if self.config.ram_mib else None
+            self.pages = PageCopier(TieredStore(ram, tiers), Entry)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss, never a lost result
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        setattr(kv_cache_manager, STORE_ATTR, self)
+
+    def promote(self, kv_cache_manager: Any, request: Any, manager: Any) -> None:
+        """Called by the lookup wrapper before vLLM's own lookup (``scheduler_side``)."""
+        assert self.lookup is not None
+        self.lookup.promote(kv_cache_manager, request, manager)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.lookup is not None
+        if self.lookup.must_wait(request):
+            return None, False  # its blocks are being filled: ask again next step
+        return 0, False  # store hits become pool hits, counted by the lookup itself
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        return
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.lookup is not None and self._kv_cache_manager is not None
+        loads, saves = self.lookup.plan_step(scheduler_output, self._kv_cache_manager)
+        return SpanStoreMetadata(loads=loads, saves=saves)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if self.lookup is None or not isinstance(meta, SpanStoreWorkerMetadata):
+            return
+        from engine_ext.hole_lookup import _single_full_attention_manager
+
+        manager = _single_full_attention_manager(self._kv_cache_manager)
+        if manager is not None:
+            self.lookup.on_worker_output(manager, meta.loaded, meta.failed, meta.saved,
+                                         meta.not_saved)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        if self.lookup is not None:
+            self.lookup.forget(request)
+        return False, None
+
+    def stats(self) -> dict[str, Any]:
+        assert self.lookup is not None
+        return {"fingerprint": self.fingerprint, "config": self.config.model_dump(),
+                **self.lookup.stats()}
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.pages is not None
+        self.pages.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Fill this step's blocks before anything of the step reads the cache."""
+        if self.pages is None or not isinstance(kv_connector_metadata, SpanStoreMetadata):
+            return
+        filled, homes = [], []
+        for block_id, key in kv_connector_metadata.loads:
+            try:
+                got = self.pages.load(block_id, key)
+            except Exception:  # noqa: BLE001 (any failure is a miss, never wrong KV)
+                logger.exception("minipic span store: loading %s failed", key[:16])
+                got = None
+            if got is None:
+                self._results.failed.append(block_id)
+            else:
+                self._results.loaded.append((block_id, got[0]))
+                filled.append(block_id)
+                homes.append(got[1])
+        self.pages.filled(filled, homes)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return  # fills already ran in handle_preemptions
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # whole blocks are copied once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.pages is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SpanStoreMetadata):
+            return
+        for block_id, key, slot in meta.saves:
+            try:
+                ok = self.pages.save(block_id, key, slot)
+            except Exception:  # noqa: BLE001 (a failed save is a later miss)
+                logger.exception("minipic span store: saving %s failed", key[:16])
+                ok = False
+            (self._results.saved if ok else self._results.not_saved).append(key)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        results, self._results = self._results, SpanStoreWorkerMetadata()
+        if not (results.loaded or results.failed or results.saved or results.not_saved):
+            return None
+        return results
+
+    def shutdown(self) -> None:
+        if self.pages is not None:
+            self.pages.store.close()

@@ -1,0 +1,210 @@
+"""The span store's EngineCore half: which blocks to load before a request runs, which to save.
+
+**Load = promotion into the pool, one step ahead.** vLLM's connector API reports an external hit
+as one contiguous run right after the local hit, which stops at the first miss; span blocks
+sit anywhere in a prompt. So the store does not go through that accounting at all. When a
+request that opted into span semantics is looked up (``KVCacheManager.get_computed_blocks``,
+wrapped by ``engine_ext/hole_lookup.py``), every span-chained block (``span_chained_blocks``)
+that misses the pool but is in the store gets a fresh pool block, and the worker is told (this
+step's connector metadata) to fill it. The request waits one step
+(``get_num_new_matched_tokens`` answers None: "ask again"). The worker reports each fill; a
+filled block is then inserted into the prefix cache under its hash, exactly as if the engine
+had computed it, and released. At its next lookup the request finds those blocks as ordinary
+pool hits -- the leading run, or runs after misses that ``hole_lookup`` attaches -- and from then
+on they are ordinary cached blocks (counted as cached tokens, evictable, shareable).
+
+Why one step ahead rather than hashing at once: a fill can fail (entry evicted, corrupt,
+store deleted), and a hash in the pool is trusted by every request of the step. Inserted only
+after the fill succeeded, a failure is a miss: the block is freed unhashed and the request
+computes it.
+
+**Save.** ``build_connector_meta`` lists, per scheduled request, the span-chained blocks this
+step completes (full prompt blocks only) whose key the store does not have yet; the worker
+copies them after the forward. Blocks found in the pool or the store are never re-saved.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_ext.span_hashing import span_chained_blocks
+from engine_ext.span_store.keys import entry_key
+from span_contract.span_config import SpanConfig, spans_opted_in
+
+logger = logging.getLogger("vllm.minipic.span_store")
+
+
+@dataclass
+class _Load:
+    block: Any  # the pool block being filled (held: reference count 1)
+    key: str
+    index: int  # block index in the request that asked for it
+    block_hash: bytes
+    request: Any
+    waiters: set[str] = field(default_factory=set)
+
+
+class StoreLookup:
+    """Scheduler-side state: known keys, fills in flight, saves planned, counters."""
+
+    def __init__(self, tiers: list[Any], fingerprint: str, block_size: int,
+                 span_config: SpanConfig) -> None:
+        self.tiers = tiers  # persistent tiers (``has`` only; the worker reads them)
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.span_config = span_config
+        self.known: set[str] = set()  # saved by this engine's worker (RAM or on its way)
+        self.requests: dict[str, Any] = {}
+        # request -> its preemption count at its store round (one round per admission)
+        self.looked_up: dict[str, int] = {}
+        self.pending_loads: list[tuple[int, str]] = []  # for the next metadata
+        self.in_flight: dict[int, _Load] = {}  # block id -> fill
+        self.in_flight_keys: dict[str, int] = {}
+        self.waiting: dict[str, set[int]] = {}  # request -> fills it waits for
+        self.saving: set[str] = set()
+        self.counts: Counter[str] = Counter()
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def source_of(self, key: str) -> str | None:
+        """Which tier has ``key`` (None: nobody); RAM is what this engine saved."""
+        if key in self.known:
+            return "ram"
+        for tier in self.tiers:
+            if tier.has(key):
+                return str(tier.name)
+        return None
+
+    def promote(self, kv_cache_manager: Any, request: Any, manager: Any) -> None:
+        """Give the request's store-held span blocks pool blocks and queue their fills."""
+        rid = request.request_id
+        if self.looked_up.get(rid) == request.num_preemptions or not spans_opted_in(
+                getattr(request, "sampling_params", None)):
+            return
+        self.looked_up[rid] = request.num_preemptions
+        self.requests[rid] = request
+        pool, group = manager.block_pool, manager.kv_cache_group_id
+        bs = self.block_size
+        hashes = request.block_hashes
+        flags = span_chained_blocks(request, bs, self.span_config)
+        last = min(len(hashes), (request.num_tokens - 1) // bs)  # never the logits block
+        wanted: list[tuple[int, str]] = []
+        waits: set[int] = set()
+        for index in range(last):
+            if not flags[index] or pool.get_cached_block(hashes[index], [group]) is not None:
+                continue
+            key = entry_key(self.fingerprint, hashes[index])
+            if key in self.in_flight_keys:  # another request is having it filled
+                block_id = self.in_flight_keys[key]
+                self.in_flight[block_id].waiters.add(rid)
+                waits.add(block_id)
+            elif self.source_of(key) is not None:
+                wanted.append((index, key))
+        # Leave the pool what this request needs for itself, so a fill never starves it.
+        room = pool.get_num_free_blocks() - (-(-request.num_tokens // bs)) - len(wanted)
+        if room < 0:
+            wanted = wanted[: max(0, len(wanted) + room)]
+            self.counts["skipped_no_room"] += 1
+        if wanted:
+            for (index, key), block in zip(wanted, pool.get_new_blocks(len(wanted)),
+                                           strict=True):
+                load = _Load(block, key, index, hashes[index], request, {rid})
+                self.in_flight[block.block_id] = load
+                self.in_flight_keys[key] = block.block_id
+                self.pending_loads.append((block.block_id, key))
+                waits.add(block.block_id)
+        if waits:
+            self.waiting[rid] = waits
+
+    def must_wait(self, request: Any) -> bool:
+        return bool(self.waiting.get(request.request_id))
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def plan_step(self, scheduler_output: Any, kv_cache_manager: Any
+                  ) -> tuple[list[tuple[int, str]], list[tuple[int, str, int]]]:
+        """This step's fills and saves ``(block id, key, table slot)``."""
+        loads, self.pending_loads = self.pending_loads, []
+        saves: list[tuple[int, str, int]] = []
+        bs = self.block_size
+        for rid, count in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            done = request.num_computed_tokens  # before this step (vLLM advances it later)
+            end = min((done + count) // bs, len(request.block_hashes),
+                      request.num_prompt_tokens // bs)
+            if end <= done // bs:
+                continue
+            flags = span_chained_blocks(request, bs, self.span_config)
+            ids = kv_cache_manager.get_block_ids(rid)[0]
+            for index in range(done // bs, end):
+                if not flags[index] or index >= len(ids):
+                    continue
+                key = entry_key(self.fingerprint, request.block_hashes[index])
+                if key in self.saving or self.source_of(key) is not None:
+                    continue
+                self.saving.add(key)
+                saves.append((ids[index], key, index))
+        return loads, saves
+
+    # -- worker results ---------------------------------------------------------------------
+
+    def on_worker_output(self, manager: Any, loaded: list[tuple[int, str]],
+                         failed: list[int], saved: list[str], not_saved: list[str]) -> None:
+        """Hash filled blocks into the pool, free failed ones, learn saved keys."""
+        for key in saved:
+            self.saving.discard(key)
+            self.known.add(key)
+            self.counts["saved_blocks"] += 1
+        for key in not_saved:
+            self.saving.discard(key)
+        pool, group = manager.block_pool, manager.kv_cache_group_id
+        bs = self.block_size
+        for block_id, source in loaded:
+            load = self._finish(block_id)
+            if load is None:
+                continue
+            request, index = load.request, load.index
+            if index < len(request.block_hashes) and request.block_hashes[index] == (
+                    load.block_hash) and pool.get_cached_block(load.block_hash, [group]) is None:
+                blocks = [pool.null_block] * index + [load.block]
+                pool.cache_full_blocks(request, blocks, index, index + 1, bs, group)
+                self.counts[f"tokens_{source}"] += bs
+                self.counts["loaded_blocks"] += 1
+            pool.free_blocks([load.block])
+        for block_id in failed:
+            load = self._finish(block_id)
+            if load is None:
+                continue
+            self.known.discard(load.key)
+            self.counts["failed_loads"] += 1
+            pool.free_blocks([load.block])
+
+    def _finish(self, block_id: int) -> _Load | None:
+        load = self.in_flight.pop(block_id, None)
+        if load is None:
+            return None
+        self.in_flight_keys.pop(load.key, None)
+        for rid in load.waiters:
+            waits = self.waiting.get(rid)
+            if waits is not None:
+                waits.discard(block_id)
+                if not waits:
+                    del self.waiting[rid]
+        return load
+
+    def forget(self, request: Any) -> None:
+        """The request finished or was aborted (fills it asked for still complete)."""
+        rid = request.request_id
+        self.requests.pop(rid, None)
+        self.looked_up.pop(rid, None)
+        self.waiting.pop(rid, None)
+
+    def stats(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts), "known_keys": len(self.known),
+                "in_flight": len(self.in_flight),
+                "tiers": [tier.stats() for tier in self.tiers]}

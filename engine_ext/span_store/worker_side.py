@@ -1,0 +1,92 @@
+"""The span store's worker half: copy KV pages between the engine's cache and the store.
+
+An entry is one block's pages of every attention layer, byte for byte as the engine holds them
+(vLLM's stock page; on CPU the keys rotated at the block's *home* slot, in the kernel's ISA
+packing, which the config fingerprint names), plus that home slot. Loading copies the bytes
+back into a fresh block and tells the metadata builder the block's home
+(``MinipicCPUAttentionMetadataBuilder.blocks_filled``): the keys are then exactly what the
+engine wrote when it computed the block at that slot, and reads at any other slot move them by
+the slot difference, as for any cached block. So a loaded block is the block the engine would
+have computed, bit for bit, wherever it is read.
+
+Fills run in ``handle_preemptions``, the first thing of every ``execute_model``, before the
+step's attention metadata is built (which reads the home slots) and before any forward. Saves
+copy the pages in ``wait_for_save`` (after the forward wrote them) -- a memcpy of the block on
+the step's thread -- and the store writes them to its persistent tiers on its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("vllm.minipic.span_store")
+
+
+class PageCopier:
+    """Reads and writes whole blocks of this worker's KV caches."""
+
+    def __init__(self, store: Any, entry_cls: type) -> None:
+        self.store = store  # a TieredStore
+        self.entry_cls = entry_cls
+        self.layers: list[str] = []
+        self.caches: list[torch.Tensor] = []
+        self.page_bytes = 0
+        self.builder: Any = None
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from engine_ext.rope_attention_backend import BUILDERS
+
+        self.layers = sorted(kv_caches)
+        self.caches = [kv_caches[name] for name in self.layers]
+        first = self.caches[0]
+        self.page_bytes = first[0].numel() * first.element_size()
+        if any(c[0].numel() * c.element_size() != self.page_bytes for c in self.caches):
+            raise ValueError("minipic span store: attention layers with different page sizes")
+        self.builder = BUILDERS.get(self.layers[0])  # None: no home slots (GPU backend)
+
+    def _meta(self, home: int) -> dict[str, Any]:
+        return {"home": home, "layers": len(self.layers), "page_bytes": self.page_bytes,
+                "dtype": str(self.caches[0].dtype)}
+
+    def save(self, block_id: int, key: str, slot: int) -> bool:
+        """Copy a block out (all layers) and hand it to the store."""
+        home = slot
+        if self.builder is not None:
+            home = int(self.builder.home.slots_of(torch.tensor([block_id]))[0])
+            if home < 0:
+                return False  # never written here: nothing to save
+        pages = torch.cat([cache[block_id].reshape(-1).view(torch.uint8).cpu()
+                           for cache in self.caches])
+        self.store.put(key, self.entry_cls(pages.numpy().tobytes(), self._meta(home)))
+        return True
+
+    def load(self, block_id: int, key: str) -> tuple[str, int] | None:
+        """Fill ``block_id`` from the store; ``(source, home slot)`` or None (a miss)."""
+        found = self.store.get(key)
+        if found is None:
+            return None
+        entry, source = found
+        meta = entry.meta
+        expected = self._meta(int(meta.get("home", -1)))
+        if meta != expected or len(entry.payload) != self.page_bytes * len(self.caches) or (
+                expected["home"] < 0):
+            logger.warning("minipic span store: entry %s does not fit this engine's pages "
+                           "(%s); treated as a miss", key[:16], meta)
+            return None
+        with warnings.catch_warnings():  # a read-only buffer: we only copy out of it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(entry.payload, dtype=torch.uint8)
+        for layer, cache in enumerate(self.caches):
+            page = cache[block_id]
+            chunk = data[layer * self.page_bytes:(layer + 1) * self.page_bytes]
+            page.copy_(chunk.view(page.dtype).view(page.shape))
+        return source, expected["home"]
+
+    def filled(self, blocks: list[int], homes: list[int]) -> None:
+        """Tell the attention metadata builder the home slots of freshly filled blocks."""
+        if self.builder is not None:
+            self.builder.blocks_filled(blocks, homes)

@@ -1,0 +1,108 @@
+"""Settings of the span store, shared by the launcher and the engine's KV connector.
+
+Why in ``span_contract``: ``minipic serve``, ``Orchestrator.embedded`` and ``minipic index`` build
+the setting; the KV connector (``engine_ext/span_store/connector.py``) reads it back from vLLM's
+``kv_transfer_config``. Both must agree on the directories and on the model fingerprint, which
+is computed here, once, in the launching process (hashing the weights in every engine process
+would cost seconds each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+CONNECTOR_NAME = "MinipicSpanStore"
+CONNECTOR_MODULE = "engine_ext.span_store.connector"
+_DIGEST_CACHE = "weights-digests.json"
+
+
+class SpanStoreConfig(BaseModel):
+    """Where span KV lives outside the engine, and how much of it.
+
+    ``dir``: the local persistent tier (bounded, evicts, crash-safe); None keeps only RAM.
+    ``shared_dir``: a tier every replica reads and writes (several replicas or nodes on one
+    shared mount); None for a single engine.
+    """
+
+    dir: str | None = Field(None, description="local disk tier; None = RAM only")
+    ram_mib: int = Field(256, ge=0, description="host-RAM LRU in front of the disk tiers")
+    disk_gib: float = Field(8.0, gt=0, description="bound of the local disk tier")
+    shared_dir: str | None = Field(None, description="tier shared by replicas; None = none")
+    shared_gib: float = Field(32.0, gt=0, description="bound of the shared tier")
+    weights_digest: str = Field("", description="filled by resolved(): the model's weights")
+
+    def resolved(self, model_dir: str) -> SpanStoreConfig:
+        """Absolute directories and the weights digest of ``model_dir``."""
+        def absolute(path: str | None) -> str | None:
+            return None if path is None else str(Path(path).expanduser().resolve())
+
+        return self.model_copy(update={
+            "dir": absolute(self.dir), "shared_dir": absolute(self.shared_dir),
+            "weights_digest": self.weights_digest or weights_digest(model_dir)})
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        """vLLM's ``--kv-transfer-config``: minipic's connector, by module path (vLLM's
+        extension point for out-of-tree connectors), with these settings."""
+        return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_both", "kv_connector_extra_config": self.model_dump()}
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> SpanStoreConfig:
+        return cls.model_validate({k: v for k, v in extra.items() if k in cls.model_fields})
+
+
+def weights_digest(model_dir: str) -> str:
+    """sha256 over the model folder's weight and config files, cached by (path, size, mtime).
+
+    The store must never serve KV computed by other weights under the same block hash, and the
+    hash does not name the weights; their digest goes into every key. Hashing a 270 MB model
+    takes about a second, once: the result is kept next to the minipic cache.
+    """
+    root = Path(model_dir)
+    files = sorted(p for p in root.glob("*") if p.is_file() and (
+        p.suffix in (".safetensors", ".bin", ".pt", ".json", ".model", ".gguf")))
+    if not files:
+        return hashlib.sha256(str(root).encode()).hexdigest()[:32]
+    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    cache = _digest_cache_path()
+    known: dict[str, Any] = {}
+    if cache is not None and cache.exists():
+        try:
+            known = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            known = {}
+    entry = known.get(str(root.resolve()))
+    if entry and entry.get("stamp") == [list(s) for s in stamp]:
+        return str(entry["digest"])
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    value = digest.hexdigest()[:32]
+    if cache is not None:
+        known[str(root.resolve())] = {"stamp": stamp, "digest": value}
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, cache)
+        except OSError:
+            pass  # a cache only: the digest is recomputed next time
+    return value
+
+
+def _digest_cache_path() -> Path | None:
+    try:
+        from span_contract.models import cache_root
+
+        return cache_root() / _DIGEST_CACHE
+    except Exception:  # noqa: BLE001 (no writable cache: compute every time)
+        return None

@@ -1,0 +1,225 @@
+"""The span store on real vLLM (CPU, fp32): span KV that outlives the pool and the engine.
+
+Fresh random token ids every run, against the transformers block-mask reference
+(``tests/pic_reference.py``), as in ``tests/test_span_reuse.py``:
+
+* store-loaded finals: spans prefilled (saved), the pool reset (the spans stay in the store),
+  then the final reports the span tokens cached, the store counts them by tier, and its greedy
+  tokens and logprobs equal the reference;
+* a restart: a new engine on the same store directory; its first final hits every span;
+* tenants: a salted span is never loaded under another salt or unsalted, at any position;
+* faults: corrupt / truncated / foreign entries and a store deleted under the running engine
+  give misses (the output still equals the reference), never wrong KV or a crash.
+
+One engine per configuration for the module (disk only, so every load reads and verifies a
+file); the restart test starts a second one on the same directory.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pic_reference import PicPrompt, PicReference, build_pic_prompt, random_ordinary_ids
+from test_span_reuse import REFERENCE_TOL, _error, _generate, _params, _prefill
+
+pytestmark = pytest.mark.engine
+
+
+def _start(store_dir: Path, ram_mib: int) -> object:
+    from span_contract.engine_config import EngineSettings, build_llm
+    from span_contract.span_store_config import SpanStoreConfig
+
+    settings = EngineSettings(model="tiny-llama", pic=True, max_model_len=2048,
+                              span_store=SpanStoreConfig(dir=str(store_dir), ram_mib=ram_mib))
+    return build_llm(settings)
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("span-store")
+
+
+@pytest.fixture(scope="module")
+def disk_llm(store_dir: Path) -> Iterator[object]:
+    """An engine whose store is the local disk only (RAM tier off)."""
+    from span_contract.engine_config import close_llm
+
+    llm = _start(store_dir, ram_mib=0)
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def ref(disk_llm) -> PicReference:
+    return PicReference(disk_llm.minipic_settings.model)
+
+
+def _stats(llm) -> dict:
+    from engine_ext.recurrent_checkpoints import call_engine
+    from engine_ext.span_store.stats import STATS_METHOD
+
+    stats = call_engine(llm, STATS_METHOD)
+    assert stats is not None, "the engine runs no span store"
+    return stats
+
+
+def _counts(llm) -> dict:
+    return dict(_stats(llm)["counts"])
+
+
+def _delta(after: dict, before: dict, key: str) -> int:
+    return int(after.get(key, 0)) - int(before.get(key, 0))
+
+
+def _prompt(llm, rng: random.Random, vocab: int, lengths: list[int]) -> PicPrompt:
+    cfg = llm.minipic_settings.span_config
+    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
+    bodies = [random_ordinary_ids(rng, n, vocab, avoid) for n in lengths]
+    return build_pic_prompt(cfg, bodies, random_ordinary_ids(rng, 12, vocab, avoid))
+
+
+def _saved(llm, prompt: PicPrompt, salt: str | None = None) -> None:
+    """Prefill the prompt's spans and wait until the store has them on disk."""
+    store_dir = Path(llm.minipic_settings.span_store.dir)
+    files = len(_entries(store_dir)) if store_dir.exists() else 0
+    before = _counts(llm).get("saved_blocks", 0)
+    _prefill(llm, prompt.span_prefills, salt)
+    blocks = prompt.span_tokens // llm.minipic_settings.block_size
+    assert _counts(llm).get("saved_blocks", 0) - before == blocks
+    deadline = time.monotonic() + 60
+    while len(_entries(store_dir)) < files + blocks:  # written off the engine's thread
+        assert time.monotonic() < deadline, "the store did not write its entries in 60 s"
+        time.sleep(0.05)
+
+
+def _entries(store_dir: Path) -> list[Path]:
+    return [p for p in store_dir.rglob("*") if p.is_file() and not p.name.startswith(".")
+            and ".tmp" not in p.name]
+
+
+def test_store_loaded_final_equals_reference(disk_llm, ref, store_dir, seed) -> None:
+    llm = disk_llm
+    rng = random.Random(seed)
+    prompt = _prompt(llm, rng, ref.vocab_size, [40, 25, 60])
+    _saved(llm, prompt)
+    assert llm.reset_prefix_cache()  # the pool forgets the spans; the store keeps them
+    before = _counts(llm)
+    out = _generate(llm, [prompt.token_ids], _params())[0]
+    after = _counts(llm)
+    assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
+    assert _delta(after, before, "tokens_disk") == prompt.span_tokens, (before, after)
+    err = _error(out, prompt, ref)
+    assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
+    assert _entries(store_dir), "nothing was written to the disk tier"
+
+
+def test_tenants_never_load_each_others_spans(disk_llm, ref, seed) -> None:
+    """A salted span is not loadable under another salt or unsalted, first or later in the
+    prompt; under its own salt it is."""
+    llm = disk_llm
+    rng = random.Random(seed)
+    prompt = _prompt(llm, rng, ref.vocab_size, [33, 50])
+    _saved(llm, prompt, salt=f"tenant-a-{seed}")
+    cfg = llm.minipic_settings.span_config
+    bodies = [p[1:] for p in prompt.span_prefills]
+    question = random_ordinary_ids(rng, 7, ref.vocab_size, (cfg.ssep_id, cfg.pdep_id))
+    later = build_pic_prompt(cfg, [random_ordinary_ids(rng, 20, ref.vocab_size,
+                                                       (cfg.ssep_id, cfg.pdep_id)), *bodies],
+                             question)
+    # every check under a salt of its own (a tenant's cold spans are saved for that tenant)
+    for salt, final in ((f"tenant-b-{seed}", prompt), (f"tenant-c-{seed}", later),
+                        (None, later)):
+        assert llm.reset_prefix_cache()
+        before = _counts(llm)
+        out = _generate(llm, [final.token_ids], _params(), salt)[0]
+        loaded = sum(_delta(_counts(llm), before, k) for k in ("tokens_disk", "tokens_ram"))
+        assert loaded == 0 and out.num_cached_tokens == 0, (salt, seed)
+        assert _error(out, final, ref) < REFERENCE_TOL, f"seed={seed}"
+    assert llm.reset_prefix_cache()
+    out = _generate(llm, [later.token_ids], _params(), f"tenant-a-{seed}")[0]
+    assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
+
+
+def test_corrupt_truncated_and_foreign_entries_are_misses(disk_llm, ref, store_dir,
+                                                          seed) -> None:
+    llm = disk_llm
+    rng = random.Random(seed)
+    prompt = _prompt(llm, rng, ref.vocab_size, [30, 30, 30])
+    before_files = set(_entries(store_dir))
+    _saved(llm, prompt)
+    mine = sorted(set(_entries(store_dir)) - before_files)
+    assert len(mine) >= 3, mine
+    # one entry bit-flipped in its payload, one truncated, one with another fingerprint
+    data = bytearray(mine[0].read_bytes())
+    data[-7] ^= 0xFF
+    mine[0].write_bytes(bytes(data))
+    mine[1].write_bytes(mine[1].read_bytes()[: len(mine[1].read_bytes()) // 2])
+    damaged = [mine[0].read_bytes(), mine[1].read_bytes()]
+    foreign = bytearray(mine[2].read_bytes())
+    fp = _stats(llm)["fingerprint"].encode()
+    at = foreign.find(fp)
+    assert at >= 0, "the entry header names the fingerprint"
+    foreign[at:at + len(fp)] = b"0" * len(fp)
+    mine[2].write_bytes(bytes(foreign))
+    assert llm.reset_prefix_cache()
+    before = _counts(llm)
+    out = _generate(llm, [prompt.token_ids], _params())[0]
+    after = _counts(llm)
+    assert _delta(after, before, "failed_loads") >= 3, (before, after)
+    assert out.num_cached_tokens < prompt.span_tokens
+    err = _error(out, prompt, ref)
+    assert err < REFERENCE_TOL, f"a bad entry changed the output: {err:.2e} (seed={seed})"
+    # the damaged entries were removed; the final recomputed those blocks and saved them anew
+    for path, bad in zip(mine[:2], damaged, strict=True):
+        assert not path.exists() or path.read_bytes() != bad, f"{path.name} still damaged"
+
+
+def test_store_deleted_under_a_running_engine(disk_llm, ref, store_dir, seed) -> None:
+    llm = disk_llm
+    rng = random.Random(seed)
+    prompt = _prompt(llm, rng, ref.vocab_size, [45, 20])
+    _saved(llm, prompt)
+    shutil.rmtree(store_dir)
+    assert llm.reset_prefix_cache()
+    out = _generate(llm, [prompt.token_ids], _params())[0]
+    assert _error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
+    # the engine keeps serving, and saves again once it can
+    again = _prompt(llm, rng, ref.vocab_size, [20])
+    _generate(llm, [again.token_ids], _params())
+    assert _error(_generate(llm, [prompt.token_ids], _params())[0], prompt, ref) < (
+        REFERENCE_TOL)
+
+
+def test_restart_is_warm(disk_llm, ref, tmp_path, seed) -> None:
+    """Prefill, stop the engine, start a new one on the same store: its first final reports
+    the spans cached (from disk) and gives the same output."""
+    from span_contract.engine_config import close_llm
+
+    store = tmp_path / "restart-store"
+    first = _start(store, ram_mib=64)
+    try:
+        rng = random.Random(seed)
+        prompt = _prompt(first, rng, ref.vocab_size, [50, 35, 40])
+        _saved(first, prompt)
+        before = _generate(first, [prompt.token_ids], _params())[0]
+    finally:
+        close_llm(first)  # flushes the store's writes
+    second = _start(store, ram_mib=64)
+    try:
+        out = _generate(second, [prompt.token_ids], _params())[0]
+        assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
+        assert _counts(second).get("tokens_disk", 0) == prompt.span_tokens
+        assert out.outputs[0].token_ids == before.outputs[0].token_ids
+        assert _error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
+        # loaded from disk, the blocks are now in the engine's RAM tier too
+        assert second.reset_prefix_cache()
+        ram_before = _counts(second).get("tokens_ram", 0)
+        _generate(second, [prompt.token_ids], _params())
+        assert _counts(second).get("tokens_ram", 0) - ram_before > 0
+    finally:
+        close_llm(second)
