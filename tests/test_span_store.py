@@ -24,7 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pic_reference import PicPrompt, PicReference, build_pic_prompt, random_ordinary_ids
+from pic_reference import (
+    PicPrompt,
+    PicReference,
+    build_pic_prompt,
+    pad_span,
+    random_ordinary_ids,
+)
 from test_span_reuse import REFERENCE_TOL, _error, _generate, _params, _prefill
 
 pytestmark = pytest.mark.engine
@@ -223,3 +229,83 @@ def test_restart_is_warm(disk_llm, ref, tmp_path, seed) -> None:
         assert _counts(second).get("tokens_ram", 0) - ram_before > 0
     finally:
         close_llm(second)
+
+
+# -- replicas on one shared tier; a corpus bigger than the pool -----------------------------
+
+
+def _start_with(store, pool_blocks: int | None = None, max_model_len: int = 2048) -> object:
+    """An engine with ``store`` (a SpanStoreConfig or None), optionally a pool of
+    ``pool_blocks`` KV blocks (vLLM's ``num_gpu_blocks_override``)."""
+    from span_contract.engine_config import EngineSettings, build_llm
+
+    extra = {} if pool_blocks is None else {"num_gpu_blocks_override": pool_blocks}
+    return build_llm(EngineSettings(model="tiny-llama", pic=True, max_model_len=max_model_len,
+                                    span_store=store, extra=extra))
+
+
+def test_two_engines_share_one_tier(ref, tmp_path, seed) -> None:
+    """Replicas on one shared directory: a span computed on one is loaded by the other (the
+    two never talk; what one saves, the other finds under the same key)."""
+    from span_contract.engine_config import close_llm
+    from span_contract.span_store_config import SpanStoreConfig
+
+    shared = SpanStoreConfig(shared_dir=str(tmp_path / "shared"), ram_mib=16)
+    one = _start_with(shared)
+    try:
+        rng = random.Random(seed)
+        prompt = _prompt(one, rng, ref.vocab_size, [40, 60, 27])
+        before = _counts(one).get("saved_blocks", 0)
+        _prefill(one, prompt.span_prefills)
+        blocks = prompt.span_tokens // one.minipic_settings.block_size
+        assert _counts(one).get("saved_blocks", 0) - before == blocks
+    finally:
+        close_llm(one)  # flushes its writes to the shared tier
+    other = _start_with(shared)
+    try:
+        out = _generate(other, [prompt.token_ids], _params())[0]
+        assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
+        assert _counts(other).get("tokens_shared", 0) == prompt.span_tokens
+        assert _error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
+    finally:
+        close_llm(other)
+
+
+def test_corpus_bigger_than_the_pool(ref, tmp_path, seed) -> None:
+    """A corpus of 4x the pool's blocks, random questions over 4 of its documents each: with
+    the store nearly every span token is cached (the pool alone keeps about a quarter), and
+    every answer is the same with and without the store."""
+    from span_contract.engine_config import close_llm
+    from span_contract.span_store_config import SpanStoreConfig
+
+    rng = random.Random(seed)
+    engines = {"store": _start_with(SpanStoreConfig(dir=str(tmp_path / "corpus"), ram_mib=64),
+                                    pool_blocks=96, max_model_len=512),
+               "none": _start_with(None, pool_blocks=96, max_model_len=512)}
+    try:
+        llm = engines["store"]
+        cfg = llm.minipic_settings.span_config
+        pool = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
+        per_doc = 3  # SSEP + 95 tokens = 3 blocks of 32
+        docs = [random_ordinary_ids(rng, 95, ref.vocab_size, avoid)
+                for _ in range(4 * pool // per_doc + 1)]
+        questions = [(rng.sample(range(len(docs)), 4),
+                      random_ordinary_ids(rng, 10, ref.vocab_size, avoid)) for _ in range(16)]
+        finals = [build_pic_prompt(cfg, [docs[i] for i in picked], q) for picked, q in questions]
+        cached: dict[str, int] = {}
+        answers: dict[str, list] = {}
+        for name, engine in engines.items():
+            for start in range(0, len(docs), 32):  # the corpus, prefilled once
+                _prefill(engine, [pad_span(cfg, d) for d in docs[start:start + 32]])
+            outs = [_generate(engine, [f.token_ids], _params(max_tokens=3, logprobs=0))[0]
+                    for f in finals]
+            cached[name] = sum(o.num_cached_tokens for o in outs)
+            answers[name] = [o.outputs[0].token_ids for o in outs]
+        span_tokens = sum(f.span_tokens for f in finals)
+        assert cached["store"] >= 0.9 * span_tokens, (cached, span_tokens, pool)
+        assert cached["none"] <= 0.6 * span_tokens, (cached, span_tokens, pool)
+        assert answers["store"] == answers["none"], f"seed={seed}"
+    finally:
+        for engine in engines.values():
+            close_llm(engine)
