@@ -15,6 +15,9 @@ orchestrator, the tests) set together with the span configuration. When enabled 
   (``engine_ext/recurrent_checkpoints.py``; used in the EngineCore, settings in
   ``MINIPIC_CKPT_CONFIG``). Not on by default; hybrid engines run with it instead of ``hash``.
 
+Measurements only: with ``MINIPIC_PROFILE_DIR`` set, ``register()`` also times the steps of
+every process, stock engines included (``engine_ext/step_profile.py``); unset, it wraps nothing.
+
 Every vLLM method these features wrap is listed, with the vLLM version it was checked against,
 in ``engine_ext/patches.py``; a version or signature mismatch stops start-up with an
 ``EngineIntegrationError`` (no silent stock fallback). Patching is idempotent: vLLM may call
@@ -39,6 +42,14 @@ def active_state() -> dict[str, object]:
 
 
 def register() -> None:
+    _register_features()
+    # after the features: the profile times the plugin's wrappers with the code they wrap
+    from engine_ext import step_profile
+
+    step_profile.install_from_env(plugin_on=bool(_STATE["installed"]))
+
+
+def _register_features() -> None:
     features = enabled_features()
     if not features:
         return
