@@ -6,13 +6,15 @@ Fresh random token ids every run, against the transformers block-mask reference
 * store-loaded finals: spans prefilled (saved), the pool reset (the spans stay in the store),
   then the final reports the span tokens cached, the store counts them by tier, and its greedy
   tokens and logprobs equal the reference;
-* a restart: a new engine on the same store directory; its first final hits every span;
+* replicas and restarts: an engine started on the shared directory another engine wrote
+  (after that one stopped) hits every span of its first final (the SIGKILL restart of a real
+  server: ``tests/test_span_store_http.py``); a corpus 4x the pool, with and without the store;
 * tenants: a salted span is never loaded under another salt or unsalted, at any position;
 * faults: corrupt / truncated / foreign entries and a store deleted under the running engine
   give misses (the output still equals the reference), never wrong KV or a crash.
 
-One engine per configuration for the module (disk only, so every load reads and verifies a
-file); the restart test starts a second one on the same directory.
+One engine for the single-engine tests (disk only, so every load reads and verifies a file);
+the replica and corpus tests start their own.
 """
 
 from __future__ import annotations
@@ -201,36 +203,6 @@ def test_store_deleted_under_a_running_engine(disk_llm, ref, store_dir, seed) ->
         REFERENCE_TOL)
 
 
-def test_restart_is_warm(disk_llm, ref, tmp_path, seed) -> None:
-    """Prefill, stop the engine, start a new one on the same store: its first final reports
-    the spans cached (from disk) and gives the same output."""
-    from span_contract.engine_config import close_llm
-
-    store = tmp_path / "restart-store"
-    first = _start(store, ram_mib=64)
-    try:
-        rng = random.Random(seed)
-        prompt = _prompt(first, rng, ref.vocab_size, [50, 35, 40])
-        _saved(first, prompt)
-        before = _generate(first, [prompt.token_ids], _params())[0]
-    finally:
-        close_llm(first)  # flushes the store's writes
-    second = _start(store, ram_mib=64)
-    try:
-        out = _generate(second, [prompt.token_ids], _params())[0]
-        assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
-        assert _counts(second).get("tokens_disk", 0) == prompt.span_tokens
-        assert out.outputs[0].token_ids == before.outputs[0].token_ids
-        assert _error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
-        # loaded from disk, the blocks are now in the engine's RAM tier too
-        assert second.reset_prefix_cache()
-        ram_before = _counts(second).get("tokens_ram", 0)
-        _generate(second, [prompt.token_ids], _params())
-        assert _counts(second).get("tokens_ram", 0) - ram_before > 0
-    finally:
-        close_llm(second)
-
-
 # -- replicas on one shared tier; a corpus bigger than the pool -----------------------------
 
 
@@ -245,8 +217,10 @@ def _start_with(store, pool_blocks: int | None = None, max_model_len: int = 2048
 
 
 def test_two_engines_share_one_tier(ref, tmp_path, seed) -> None:
-    """Replicas on one shared directory: a span computed on one is loaded by the other (the
-    two never talk; what one saves, the other finds under the same key)."""
+    """Replicas on one shared directory, and a restart: a span computed on one engine is
+    loaded by another started after the first stopped (the two never talk; what one saves, the
+    other finds under the same key). Its first final is warm and equals the reference; a
+    block it loaded from the shared tier is then in its own RAM tier too."""
     from span_contract.engine_config import close_llm
     from span_contract.span_store_config import SpanStoreConfig
 
@@ -267,6 +241,11 @@ def test_two_engines_share_one_tier(ref, tmp_path, seed) -> None:
         assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
         assert _counts(other).get("tokens_shared", 0) == prompt.span_tokens
         assert _error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
+        assert other.reset_prefix_cache()
+        ram_before = _counts(other).get("tokens_ram", 0)
+        again = _generate(other, [prompt.token_ids], _params())[0]
+        assert _counts(other).get("tokens_ram", 0) - ram_before == prompt.span_tokens
+        assert again.outputs[0].token_ids == out.outputs[0].token_ids
     finally:
         close_llm(other)
 
