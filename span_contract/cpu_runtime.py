@@ -152,6 +152,9 @@ def _log_once(reason: str) -> None:
     logger.warning("CPU runtime: %s; the engine runs without it", reason)
 
 
+APT_TIMEOUT_S = 120
+
+
 def fetch_tcmalloc(dest: Path | None = None) -> Path | None:
     """Unpack Debian's ``libtcmalloc-minimal4`` into ``dest`` (default ``<venv>/lib``), so that
     ``preload_env`` finds it: ``apt-get download`` plus ``dpkg-deb -x``, nothing installed
@@ -164,14 +167,19 @@ def fetch_tcmalloc(dest: Path | None = None) -> Path | None:
     if not (shutil.which("apt-get") and shutil.which("dpkg-deb")):
         return None
     with tempfile.TemporaryDirectory(prefix="minipic-tcmalloc-") as tmp:
-        def download() -> bool:
-            return subprocess.run(["apt-get", "download", "-q", TCMALLOC_PACKAGE], cwd=tmp,
-                                  capture_output=True).returncode == 0
+        def ok(argv: list[str]) -> bool:
+            """Run apt with a bound: a machine that cannot reach a mirror must not stall the
+            set-up (apt retries mirrors for minutes)."""
+            try:
+                return subprocess.run(argv, cwd=tmp, capture_output=True,
+                                      timeout=APT_TIMEOUT_S).returncode == 0
+            except subprocess.TimeoutExpired:
+                return False
 
+        download = ["apt-get", "download", "-q", TCMALLOC_PACKAGE]
         # no package lists yet (a fresh container): refresh them, where we may
-        if not download() and not (os.geteuid() == 0 and subprocess.run(
-                ["apt-get", "update", "-q"], capture_output=True).returncode == 0
-                and download()):
+        if not ok(download) and not (os.geteuid() == 0 and ok(["apt-get", "update", "-q"])
+                                     and ok(download)):
             return None
         debs = sorted(Path(tmp).glob("*.deb"))
         root = Path(tmp) / "root"
