@@ -73,7 +73,7 @@ class PageLayout:
         n = blocks.numel()
         # the cache is a strided view (keys then values per head): one copy of the blocks read
         pages = key_cache.index_select(0, blocks)  # contiguous [n, heads, bs, D]
-        if self._column_major_keys():
+        if self.column_major_keys():
             # contiguous(): for one block the reshape is a strided view, and vLLM's rotary op
             # and writer need dense rows
             return pages.view(n, heads, self.head_size, self.block_size).permute(
@@ -84,7 +84,7 @@ class PageLayout:
         return pages.reshape(-1).index_select(0, index).view(-1, heads * self.head_size)
 
     @functools.cache  # noqa: B019 (a handful of layouts, alive for the whole process)
-    def _column_major_keys(self) -> bool:
+    def column_major_keys(self) -> bool:
         """Whether the key page is plain ``[D, bs]``: key ``(t, d)`` at page cell ``d*bs + t``."""
         transpose = torch.arange(self.block_size * self.head_size).view(
             self.head_size, self.block_size).t().flatten()

@@ -483,14 +483,23 @@ def move_home_keys(layout: cpu_kv_layout.PageLayout, key_cache: torch.Tensor,
     The blocks' home keys are read as token rows through the measured page layout, moved by
     the model's own rotary op with a table of offsets (``kernels.offset_cos_sin_cache``: one
     more rotation by the slot difference, the table's scale divided out) and packed into the
-    pool by vLLM's writer. The writer needs values too: it gets the keys, and the caller copies
-    the blocks' values over them.
+    pool: by one transposing copy for the vector kernels' column-major key pages, else by vLLM's
+    writer, which needs values too (it gets the keys; the caller copies the blocks' values over
+    them).
     """
     num_kv_heads, block_size, head_size = key_cache.shape[1:]
     keys = layout.token_keys(key_cache, blocks)  # [n * bs, heads * D]
     table, shift = _offset_table(rope, keys.dtype)
     ops.rotary_embedding((offsets + shift).repeat_interleave(block_size), keys, None,
                          head_size, table, rope.is_neox_style)
+    count = blocks.numel()
+    if layout.column_major_keys():
+        # the vector kernels' key page is plain [D, bs]: packing is one transposing copy,
+        # and the values (copied by the caller) are not written twice
+        packed = keys.view(count, block_size, num_kv_heads, head_size).permute(0, 2, 3, 1)
+        pool_keys[entries] = packed.contiguous().view(count, num_kv_heads, block_size,
+                                                      head_size)
+        return
     keys = keys.view(-1, num_kv_heads, head_size)
     slots = (entries.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
     ops.cpu_attn_reshape_and_cache(keys, keys, pool_keys, pool_values, slots, isa,
