@@ -110,6 +110,12 @@ class EngineSettings(BaseModel):
                                                                 DEFAULT_CPU_KVCACHE_GIB))
         if _is_cpu():  # tcmalloc + Intel OpenMP preloaded, as vLLM's CPU docs ask
             env.update(preload_env())
+            if self.span_store is not None and self.pic:
+                # vLLM's CPU worker reserves one more core whenever a KV connector is set (for
+                # NIXL transfers); the span store's work runs on the step's thread, so it keeps
+                # the cores a stock engine computes on (measured: benchmarks/span_store.py)
+                env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU",
+                               os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"))
         return env
 
     def additional_config(self) -> dict[str, Any]:

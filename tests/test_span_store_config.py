@@ -53,6 +53,9 @@ def test_engine_gets_the_connector(tmp_path) -> None:
     with pytest.raises(ValueError, match="plugin"):
         EngineSettings(model="tiny-llama", pic=False, span_store=str(tmp_path)).resolved()
     assert "kv_transfer_config" not in EngineSettings(model="tiny-llama").resolved().llm_kwargs()
+    # vLLM reserves a core more for any KV connector; a store engine keeps stock's cores
+    assert settings.plugin_env().get("VLLM_CPU_NUM_OF_RESERVED_CPU") == os.environ.get(
+        "VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 
 def test_weights_digest_follows_the_weights(tmp_path, monkeypatch) -> None:

@@ -84,7 +84,6 @@ class StoreLookup:
         if self.looked_up.get(rid) == request.num_preemptions or not spans_opted_in(
                 getattr(request, "sampling_params", None)):
             return
-        self.looked_up[rid] = request.num_preemptions
         self.requests[rid] = request
         pool, group = manager.block_pool, manager.kv_cache_group_id
         bs = self.block_size
@@ -93,8 +92,13 @@ class StoreLookup:
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # never the logits block
         wanted: list[tuple[int, str]] = []
         waits: set[int] = set()
+        hits: list[Any] = []  # the request's own pool hits: a fill must not evict them
         for index in range(last):
-            if not flags[index] or pool.get_cached_block(hashes[index], [group]) is not None:
+            cached = pool.get_cached_block(hashes[index], [group])
+            if cached is not None:
+                hits.append(cached[0])
+                continue
+            if not flags[index]:
                 continue
             key = entry_key(self.fingerprint, hashes[index])
             if key in self.in_flight_keys:  # another request is having it filled
@@ -103,19 +107,26 @@ class StoreLookup:
                 waits.add(block_id)
             elif self.source_of(key) is not None:
                 wanted.append((index, key))
-        # Leave the pool what this request needs for itself, so a fill never starves it.
-        room = pool.get_num_free_blocks() - (-(-request.num_tokens // bs)) - len(wanted)
-        if room < 0:
-            wanted = wanted[: max(0, len(wanted) + room)]
-            self.counts["skipped_no_room"] += 1
         if wanted:
-            for (index, key), block in zip(wanted, pool.get_new_blocks(len(wanted)),
-                                           strict=True):
+            pool.touch(hits)  # held while fresh blocks are taken (LRU eviction skips them)
+            try:
+                # The fills become the request's own blocks: what it needs beyond its hits and
+                # the fills of others must still be free afterwards, or nothing is filled now
+                # (the request cannot run yet anyway) and the lookup is tried again later.
+                own = -(-request.num_tokens // bs) - len(hits) - len(waits)
+                if pool.get_num_free_blocks() < own:
+                    self.counts["skipped_no_room"] += 1
+                    return
+                blocks = pool.get_new_blocks(len(wanted))
+            finally:
+                pool.free_blocks(reversed(hits))
+            for (index, key), block in zip(wanted, blocks, strict=True):
                 load = _Load(block, key, index, hashes[index], request, {rid})
                 self.in_flight[block.block_id] = load
                 self.in_flight_keys[key] = block.block_id
                 self.pending_loads.append((block.block_id, key))
                 waits.add(block.block_id)
+        self.looked_up[rid] = request.num_preemptions  # one store round per admission
         if waits:
             self.waiting[rid] = waits
 
