@@ -18,6 +18,7 @@ Typical use:
   minipic models fetch          install + convert the default model (SmolLM2-135M-Instruct)
   minipic demo                  answer real questions over offline Wikipedia, show TTFT/cache hits
   minipic serve --port 8000     OpenAI-compatible vLLM server with minipic enabled
+  minipic index docs.jsonl --store DIR   precompute a corpus's span KV into a span store
   minipic plan --histogram H --budget 8   plan recurrent-state checkpoints (hybrid models)
 """
 
@@ -26,6 +27,7 @@ SUBCOMMAND_MODULES = (
     "minipic.models_cli",
     "minipic.serve",
     "minipic.demo",
+    "minipic.index",
     "checkpoint_planner.cli",
     "minipic.bench",
 )
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the command line as given: a subcommand that re-runs itself supervised (`index`) needs it
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2

@@ -15,6 +15,7 @@ code use ``SyncOrchestrator``, which owns a loop thread and has the same methods
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,15 @@ from prompt_builder import (
 from prompt_builder.modes import coerce_mode
 
 Document = str | Span | Mapping[str, Any]
+
+
+def _store_dirs(backend: EngineBackend) -> Iterator[str]:
+    """The span-store directories behind a backend (embedded settings or a server's report)."""
+    settings = getattr(backend, "settings", None)
+    store = getattr(settings, "span_store", None)
+    dirs = (store.dir, store.shared_dir) if store is not None else getattr(
+        backend, "span_store_dirs", ())
+    yield from (d for d in dirs if d and os.path.isdir(d))
 
 
 class Question(BaseModel):
@@ -147,14 +157,18 @@ class Orchestrator:
         model: str | None = None,
         *,
         options: SchedulerOptions | Mapping[str, Any] | None = None,
+        learn_stored_spans: bool = True,
         **engine_args: Any,
     ) -> Orchestrator:
         """Start vLLM's ``AsyncLLM`` in this process with the minipic plugin on.
 
         ``model``: a model folder, ``"tiny-llama"``, or None for the default SmolLM2-135M.
         ``engine_args``: ``EngineSettings`` fields (``block_size``, ``max_model_len``, ``pic``,
-        ``features``, ...) and any other vLLM engine argument. Blocks while the model loads (tens
-        of seconds on CPU); scripts that call it need an ``if __name__ == "__main__":`` guard.
+        ``features``, ``span_store``, ...) and any other vLLM engine argument. Blocks while the
+        model loads (tens of seconds on CPU); scripts that call it need an
+        ``if __name__ == "__main__":`` guard. With a ``span_store`` and ``learn_stored_spans``,
+        the spans ``minipic index`` put into the store are warm from the start
+        (``learn_stored_spans()``).
         """
         from orchestrator.embedded_backend import EmbeddedBackend, settings_from_args
 
@@ -170,7 +184,10 @@ class Orchestrator:
                 settings.model, block_size=span.block_size, ssep_id=span.ssep_id,
                 pdep_id=span.pdep_id, pad_id=span.pad_id, max_model_len=settings.max_model_len,
             )
-            return cls(backend, builder, options=options)
+            orc = cls(backend, builder, options=options)
+            if learn_stored_spans and settings.span_store is not None:
+                orc.learn_stored_spans()
+            return orc
         except BaseException:
             backend.close()
             raise
@@ -185,6 +202,7 @@ class Orchestrator:
         options: SchedulerOptions | Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
         allow_plugin_off: bool = False,
+        learn_stored_spans: bool = True,
     ) -> Orchestrator:
         """Talk to ``minipic serve`` at ``base_url`` (blocking: two GETs to check it).
 
@@ -192,12 +210,17 @@ class Orchestrator:
         for the prompt builder (None: the server's model folder if it exists here, else minipic's
         default model). Raises ``EngineUnreachableError`` when nothing answers and
         ``ConfigMismatchError`` when the server's span configuration differs from the builder's.
+        With ``learn_stored_spans``, spans ``minipic index`` put into the server's span store
+        are warm from the start when the store's directory is readable here.
         """
         from orchestrator.http_backend import HttpBackend
 
         backend = HttpBackend.connect(base_url, model, tokenizer, headers=headers,
                                       allow_plugin_off=allow_plugin_off)
-        return cls(backend, options=options)
+        orc = cls(backend, options=options)
+        if learn_stored_spans:
+            orc.learn_stored_spans()
+        return orc
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -217,6 +240,28 @@ class Orchestrator:
     @property
     def registry(self) -> WarmthRegistry:
         return self.scheduler.registry
+
+    def learn_stored_spans(self, store_dir: str | os.PathLike[str] | None = None, *,
+                           fingerprint: str | None = None) -> int:
+        """Mark the spans ``minipic index`` put into a span store as warm, so no prefill is
+        sent for them (their blocks load from the store into the final prompt). Returns how
+        many spans the registry learned.
+
+        ``store_dir``: the store's directory (None: the embedded engine's store directories,
+        or those a ``minipic serve --span-store`` server reports). Only manifest records
+        written for this engine's configuration count (``fingerprint``; None: the embedded
+        engine's, computed here, or the server's from ``/minipic/config``). Why a local file
+        and not a question to the engine: ``orchestrator.span_index``.
+        """
+        from orchestrator.span_index import embedded_fingerprint, stored_warm_keys
+
+        dirs = [store_dir] if store_dir is not None else list(_store_dirs(self.backend))
+        if fingerprint is None:
+            fingerprint = (getattr(self.backend, "span_store_fingerprint", None)
+                           or embedded_fingerprint(self.backend))
+        if not dirs or fingerprint is None:
+            return 0
+        return self.registry.learn_stored(stored_warm_keys(dirs, fingerprint))
 
     @contextlib.contextmanager
     def record_events(self) -> Iterator[list[SchedulerEvent]]:
@@ -378,7 +423,8 @@ class Orchestrator:
         return await self.scheduler.prewarm(prompt, cache_salt)
 
     async def reset_cache(self) -> None:
-        """Empty the engine's prefix cache and forget what was warm."""
+        """Empty the engine's prefix cache and forget what was warm in it (spans a span store
+        holds stay warm: the store is not reset)."""
         await self.backend.reset_cache()
         self.registry.reset()
 

@@ -137,6 +137,9 @@ class HttpBackend:
         # a cluster (`minipic serve --replicas`) routes a span prefill by the final it serves
         self.route_hints = False
         self._restarted = False
+        # the server's span store (``minipic serve --span-store``), for learn_stored_spans
+        self.span_store_fingerprint: str | None = None
+        self.span_store_dirs: tuple[str, ...] = ()
 
     @classmethod
     def connect(
@@ -155,6 +158,12 @@ class HttpBackend:
         backend.instance = raw.get("instance")
         cluster = raw.get("cluster")
         backend.route_hints = isinstance(cluster, dict) and cluster.get("route_hints") is True
+        store = raw.get("span_store")
+        if isinstance(store, dict):
+            backend.span_store_fingerprint = store.get("fingerprint")
+            config = store.get("config") or {}
+            backend.span_store_dirs = tuple(
+                str(d) for d in (config.get("dir"), config.get("shared_dir")) if d)
         return backend
 
     def _client(self) -> httpx.AsyncClient:

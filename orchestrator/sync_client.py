@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
@@ -169,6 +170,15 @@ class SyncOrchestrator:
         """See ``Orchestrator.warm``."""
         return self._thread.call(self.aio.warm(documents, system, mode=mode,
                                                cache_salt=cache_salt))
+
+    def learn_stored_spans(self, store_dir: str | os.PathLike[str] | None = None, *,
+                           fingerprint: str | None = None) -> int:
+        """See ``Orchestrator.learn_stored_spans`` (run on the loop thread, which owns the
+        registry)."""
+        async def learn() -> int:
+            return self.aio.learn_stored_spans(store_dir, fingerprint=fingerprint)
+
+        return self._thread.call(learn())
 
     def reset_cache(self) -> None:
         self._thread.call(self.aio.reset_cache())

@@ -14,6 +14,12 @@ Keys are ``(cache_salt, prefill_key)``: a span warmed under one salt is invisibl
 registry was reset after it started. The scheduler resets once per outage (when its circuit
 opens on a lost connection, ``orchestrator.circuit``), so thirty requests failing together cause
 one reset, not thirty; ``reset(if_epoch=...)`` lets other callers do the same.
+
+Stored spans (``learn_stored``): spans a span store holds (listed by ``minipic index`` in the
+store's manifest, ``orchestrator.span_index``) are warm for any engine that runs on that store,
+after a reset or a restart too: the store outlives both. They are kept apart, keyed by the salt's
+digest (the manifest never names a salt), survive ``reset``, and leave only through
+``mark_cold``: a final that found one missing (evicted from the bounded store) corrects it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from orchestrator.span_index import salt_digest
 from prompt_builder import BuiltPrompt, SpanInfo
 
 WarmKey = tuple[str | None, str]  # (cache_salt, prefill_key)
@@ -33,18 +40,34 @@ class WarmthRegistry:
         self.capacity = capacity
         self.epoch = 0
         self._warm: collections.OrderedDict[WarmKey, int] = collections.OrderedDict()
+        self._stored: set[tuple[str | None, str]] = set()  # (salt digest, prefill key)
 
     def __len__(self) -> int:
         return len(self._warm)
 
     def __contains__(self, key: WarmKey) -> bool:
-        return key in self._warm
+        return key in self._warm or self._is_stored(key)
+
+    def _is_stored(self, key: WarmKey) -> bool:
+        return bool(self._stored) and (salt_digest(key[0]), key[1]) in self._stored
 
     def is_warm(self, key: WarmKey) -> bool:
         if key in self._warm:
             self._warm.move_to_end(key)
             return True
-        return False
+        return self._is_stored(key)
+
+    def learn_stored(self, keys: set[tuple[str | None, str]]) -> int:
+        """Spans a span store holds, as ``(salt digest, prefill key)``; returns how many are
+        new. Warm from now on, resets included (see the module docstring)."""
+        before = len(self._stored)
+        self._stored.update(keys)
+        return len(self._stored) - before
+
+    @property
+    def stored(self) -> int:
+        """How many stored spans the registry knows of."""
+        return len(self._stored)
 
     def mark_warm(self, key: WarmKey, tokens: int = 0, *, epoch: int | None = None) -> bool:
         """Record a completed prefill. Ignored (returns False) when it ran in an older epoch:
@@ -60,9 +83,12 @@ class WarmthRegistry:
     def mark_cold(self, keys: list[WarmKey] | set[WarmKey]) -> None:
         for key in keys:
             self._warm.pop(key, None)
+            if self._stored:
+                self._stored.discard((salt_digest(key[0]), key[1]))
 
     def reset(self, *, if_epoch: int | None = None) -> bool:
-        """Forget everything (the engine restarted or was reset). Returns whether it reset."""
+        """Forget what the engine's pool held (it restarted or was reset); stored spans stay
+        (the store was not reset). Returns whether it reset."""
         if if_epoch is not None and if_epoch != self.epoch:
             return False
         self._warm.clear()
