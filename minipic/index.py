@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.span_index import ManifestRecord, document_digest, read_manifest, salt_digest
+from span_contract.errors import BadInputError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -57,7 +58,7 @@ BASELINE_BATCHES = 2  # prefills timed for the engine's plain prefill rate
 CHILD_ENV = "MINIPIC_INDEX_CHILD"  # "1": this process is the supervised indexer
 
 
-class CorpusError(ValueError):
+class CorpusError(BadInputError):
     """The corpus cannot be read (missing, empty, malformed): said before any engine starts."""
 
 

@@ -13,46 +13,16 @@ process are simply never found).
 from __future__ import annotations
 
 import hashlib
-import json
-from typing import Any
 
-# Bump when what a payload holds changes (page layout, what "home" means, the header).
-LAYOUT_VERSION = "minipic-span-page-2"
+# The config fingerprint lives with the store's settings (span_contract), where the SDK can
+# compute it too (orchestrator/span_index.py); re-exported here for the engine side.
+from span_contract.span_store_config import (
+    LAYOUT_VERSION,
+    config_fingerprint,
+    page_layout,
+)
 
-
-def page_layout(vllm_config: Any) -> str:
-    """The KV page format this engine writes: platform, and on CPU the kernel's ISA packing."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return f"{current_platform.device_name}:unrotated-keys"
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    model = vllm_config.model_config
-    return "cpu:home-rotated:" + _get_attn_isa(model.dtype, vllm_config.cache_config.block_size,
-                                               model.get_head_size())
-
-
-def config_fingerprint(vllm_config: Any, weights_digest: str, span_config: Any) -> str:
-    """Digest of what a block's KV depends on besides its tokens (same in every process)."""
-    model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    facts = {
-        "layout_version": LAYOUT_VERSION,
-        "weights": weights_digest,
-        "architecture": list(getattr(model.hf_config, "architectures", None) or []),
-        "dtype": str(model.dtype),
-        "kv_cache_dtype": vllm_config.cache_config.cache_dtype,
-        "block_size": vllm_config.cache_config.block_size,
-        "layers": model.get_num_layers_by_block_type(parallel, "attention"),
-        "kv_heads": model.get_num_kv_heads(parallel),
-        "head_size": model.get_head_size(),
-        "tensor_parallel": [parallel.tensor_parallel_size, parallel.rank],
-        "span_config": span_config.model_dump() if span_config is not None else None,
-        "hash_algo": vllm_config.cache_config.prefix_caching_hash_algo,
-        "page": page_layout(vllm_config),
-    }
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+__all__ = ["LAYOUT_VERSION", "config_fingerprint", "entry_key", "page_layout"]
 
 
 def entry_key(fingerprint: str, block_hash: bytes) -> str:
