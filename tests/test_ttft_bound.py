@@ -194,7 +194,7 @@ def test_token_keys_equals_the_layouts_definition(kind: str) -> None:
     else:
         holds = torch.randperm(cells, generator=torch.Generator().manual_seed(0))
     layout = _layout(holds, bs, d)
-    assert layout._column_major_keys() is (kind == "column_major")
+    assert layout.column_major_keys() is (kind == "column_major")
     kv = torch.randn(blocks_total, heads, 2 * bs, d)
     key_cache, _ = kv.chunk(2, dim=2)  # keys then values per head, as the backend views it
     assert not key_cache.is_contiguous()
