@@ -220,7 +220,10 @@ def _remove_leaked_shm(before: set[str], since: float, pids: list[int]) -> None:
         if path.name in before or st.st_uid != os.getuid() or st.st_mtime < since:
             continue
         by_pid = any(f"_{pid}_" in path.name for pid in pids)
-        if by_pid or str(path) not in mapped:
+        # never a semaphore: another process's multiprocessing lock is a sem.* file no one
+        # maps, and removing it breaks that process's next spawn (seen while engines started
+        # concurrently on the same machine)
+        if by_pid or (str(path) not in mapped and not path.name.startswith("sem.")):
             path.unlink(missing_ok=True)
 
 
