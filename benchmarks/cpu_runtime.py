@@ -67,19 +67,13 @@ def _start(pic: bool, preload: bool, max_model_len: int) -> dict[str, Any]:
     import psutil
 
     from span_contract.cpu_runtime import PRELOAD_ENV
-    from span_contract.engine_config import EngineSettings, build_llm
+    from span_contract.engine_config import EngineSettings, build_llm, patched_environ
 
-    saved = {key: os.environ.get(key) for key in (PRELOAD_ENV, "LD_PRELOAD")}
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    os.environ[PRELOAD_ENV] = "1" if preload else "0"
-    try:
+    # LD_PRELOAD listed so that whatever vLLM adds to it during start-up is undone after
+    with patched_environ({PRELOAD_ENV: "1" if preload else "0",
+                          "LD_PRELOAD": os.environ.get("LD_PRELOAD")}):
         llm = build_llm(EngineSettings(model=None, pic=pic, max_model_len=max_model_len))
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
     return {"llm": llm, "pids": pids, "loaded": _loaded(pids)}
 

@@ -107,7 +107,7 @@ class Engine:
 
     def __init__(self, name: str, store: Any, max_model_len: int,
                  kv_bytes: int | None = None) -> None:
-        from span_contract.engine_config import EngineSettings
+        from span_contract.engine_config import EngineSettings, patched_environ
 
         self.name = name
         started = time.monotonic()
@@ -120,21 +120,13 @@ class Engine:
             # vLLM's CPU platform reads VLLM_CPU_KVCACHE_SPACE as whole GiB (int()) and lets it
             # override the engine's byte budget: without it, kv_cache_memory_bytes is exact.
             env.pop("VLLM_CPU_KVCACHE_SPACE")
-        saved = {k: os.environ.get(k) for k in [*env, "VLLM_CPU_KVCACHE_SPACE"]}
-        os.environ.update(env)
         if kv_bytes is not None:
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        try:  # what span_contract.engine_config.build_llm does, with that one difference
+            env["VLLM_CPU_KVCACHE_SPACE"] = None  # unset while the engine starts
+        with patched_environ(env):  # what engine_config.build_llm does, with that difference
             from vllm import LLM
 
             self.llm = LLM(**settings.llm_kwargs())
             self.llm.minipic_settings = settings
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
         self.settings = self.llm.minipic_settings
         self.vllm_config = self.llm.llm_engine.vllm_config
         self.pool_blocks = int(self.vllm_config.cache_config.num_gpu_blocks)

@@ -14,34 +14,17 @@ engine a private loop thread, which is how to use it from sync code).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
-import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from orchestrator.backends import BackendInfo, Completion, Sampling, final_completion
 from orchestrator.errors import BadInputError, EngineError, MinipicError
 from orchestrator.kv_usage import KVUsageMonitor
-from span_contract.engine_config import EngineSettings, engine_shutdown_timeout
+from span_contract.engine_config import EngineSettings, engine_shutdown_timeout, patched_environ
 from span_contract.span_config import SPANS_OPT_IN_KEY
-
-
-@contextlib.contextmanager
-def _environ(env: dict[str, str]) -> Iterator[None]:
-    """Plugin variables for the engine processes started inside the block, restored after."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def settings_from_args(model: str | None, engine_args: dict[str, Any]) -> EngineSettings:
@@ -77,7 +60,7 @@ class EmbeddedBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         monitor = KVUsageMonitor(position_free=settings.pic and "rope" in settings.features)
-        with _environ(settings.plugin_env()):
+        with patched_environ(settings.plugin_env()):
             engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**settings.llm_kwargs()),
                                                stat_loggers=[monitor.stat_logger_factory()])
         backend = cls(engine, settings, monitor)

@@ -7,11 +7,13 @@ stop lining up with the engine's hashes. Both derive their settings from ``Engin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -204,20 +206,24 @@ def _is_cpu() -> bool:
         return True
 
 
-class _patched_environ:
-    """Set variables for the duration of engine construction (its processes inherit them)."""
+@contextlib.contextmanager
+def patched_environ(env: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (``None``: unset) variables for the duration of the block, then restore them.
 
-    def __init__(self, env: dict[str, str]):
-        self.env = env
-        self.saved: dict[str, str | None] = {}
-
-    def __enter__(self) -> None:
-        for key, value in self.env.items():
-            self.saved[key] = os.environ.get(key)
+    Engine processes started inside the block inherit the variables (vLLM spawns them), so
+    this is how every launcher hands the plugin environment to an engine without leaving it
+    in the caller's process.
+    """
+    saved = {key: os.environ.get(key) for key in env}
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
             os.environ[key] = value
-
-    def __exit__(self, *exc: object) -> None:
-        for key, value in self.saved.items():
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
@@ -227,7 +233,7 @@ class _patched_environ:
 def build_llm(settings: EngineSettings | None = None, **overrides: Any):
     """An in-process ``vllm.LLM`` with minipic's defaults (caller must be under ``__main__``)."""
     settings = (settings or EngineSettings()).model_copy(update=overrides).resolved()
-    with _patched_environ(settings.plugin_env()):
+    with patched_environ(settings.plugin_env()):
         from vllm import LLM
 
         llm = LLM(**settings.llm_kwargs())
