@@ -98,16 +98,24 @@ def _single_full_attention_manager(kv_cache_manager: Any) -> Any | None:
     return manager
 
 
-def find_cached_runs(kv_cache_manager: Any, request: Any, num_leading_tokens: int
-                     ) -> list[tuple[int, list[Any]]]:
-    """Cached blocks after the leading hit, grouped in runs of consecutive block indices."""
+def find_cached_runs(kv_cache_manager: Any, request: Any, num_leading_tokens: int,
+                     max_cache_hit_length: int | None = None) -> list[tuple[int, list[Any]]]:
+    """Cached blocks after the leading hit, grouped in runs of consecutive block indices.
+
+    ``max_cache_hit_length`` (vLLM 0.33's lookup bound; default ``num_tokens - 1``, as vLLM's):
+    no attached block reaches past that many tokens, so a bound a connector or the scheduler
+    sets holds for the hits past misses too.
+    """
     manager = _single_full_attention_manager(kv_cache_manager)
     if manager is None:
         return []
     block_size = manager.block_size
     hashes = request.block_hashes
     # Never the block holding the last prompt token: vLLM must compute it for the logits.
-    last = min(len(hashes), (request.num_tokens - 1) // block_size)
+    bound = request.num_tokens - 1
+    if max_cache_hit_length is not None:
+        bound = min(bound, max_cache_hit_length)
+    last = min(len(hashes), max(bound, 0) // block_size)
     group = [manager.kv_cache_group_id]
     runs: list[tuple[int, list[Any]]] = []
     for index in range(num_leading_tokens // block_size + 1, last):
@@ -182,17 +190,19 @@ def attach_reached_runs(kv_cache_manager: Any, request: Any) -> int:
 
 def _wrap_get_computed_blocks(stock: Any) -> Any:
     @functools.wraps(stock)
-    def get_computed_blocks(self: Any, request: Any) -> Any:
+    def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM 0.33 passes max_cache_hit_length (0.32: no further parameter)
+        bound = kwargs.get("max_cache_hit_length", args[0] if args else None)
         _release(self, request)  # a re-lookup (admission retried) starts from scratch
         store = getattr(self, STORE_ATTR, None)
         if store is not None and self.prefix_cache_lookup_enabled(request):
             manager = _single_full_attention_manager(self)
             if manager is not None:  # store-held span blocks get pool blocks and fills
                 store.promote(self, request, manager)
-        blocks, num_hit, boundary = stock(self, request)
+        blocks, num_hit, boundary = stock(self, request, *args, **kwargs)
         if (spans_opted_in(getattr(request, "sampling_params", None))
                 and self.prefix_cache_lookup_enabled(request)):
-            runs = find_cached_runs(self, request, num_hit)
+            runs = find_cached_runs(self, request, num_hit, bound)
             if runs:
                 self.block_pool.touch([b for _, run in runs for b in run])
                 request.__dict__[PENDING_ATTR] = CachedRuns(runs=runs)

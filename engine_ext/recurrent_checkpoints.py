@@ -190,8 +190,10 @@ def _wrap_split(stock: Any) -> Any:
 
 def _wrap_get_computed_blocks(stock: Any) -> Any:
     @functools.wraps(stock)
-    def get_computed_blocks(self: Any, request: Any) -> tuple[Any, int, int]:
-        blocks, num_hit, junction = stock(self, request)
+    def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any
+                            ) -> tuple[Any, int, int]:
+        # *args: vLLM 0.33's max_cache_hit_length, honoured by the stock lookup itself
+        blocks, num_hit, junction = stock(self, request, *args, **kwargs)
         policy = self.__dict__.get(POLICY_ATTR)
         if policy is None:
             return blocks, num_hit, junction

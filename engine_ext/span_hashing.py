@@ -190,17 +190,24 @@ class HybridModelNotSupportedError(EngineIntegrationError):
     pass
 
 
-def install(config: SpanConfig) -> None:
-    """Replace vLLM's request block hasher everywhere it is bound by name (EngineCore process).
-
-    ``vllm.v1.engine.core`` imported ``get_request_block_hasher`` by value, so patching only
-    ``kv_cache_utils`` would silently do nothing for the engine.
-    """
-    from engine_ext import patches
+def hasher_factory(config: SpanConfig) -> Callable[[Any], Any]:
+    """The wrapper factory for vLLM's ``get_request_block_hasher`` (both names it is bound by):
+    ``hasher_factory(config)(stock)`` takes vLLM's parameters, 0.32's two and 0.33's three."""
 
     def factory(stock: Any) -> Any:
         def get_request_block_hasher(hash_block_size: int,
-                                     caching_hash_fn: Callable[[Any], bytes]):
+                                     caching_hash_fn: Callable[[Any], bytes],
+                                     num_hash_lookahead_tokens: int = 0):
+            # vLLM 0.33: a drafter's lookahead makes each hash cover tokens *after* its block,
+            # so an SSEP span's hash would name the tokens that follow the span wherever it
+            # sits: span-local reuse is gone by construction. Refused, not approximated.
+            if num_hash_lookahead_tokens:
+                raise EngineIntegrationError(
+                    f"minipic span hashing cannot run with num_hash_lookahead_tokens="
+                    f"{num_hash_lookahead_tokens} (a speculative drafter whose KV depends on "
+                    f"the tokens after each block): a span's hash would depend on what follows "
+                    f"the span. Start vLLM with disable_lookahead_block_hashes=True, or without "
+                    f"the drafter, or without the minipic plugin (MINIPIC_ENABLE=0)")
             vllm_config = _ENGINE["vllm_config"]
             if vllm_config is None:
                 raise EngineIntegrationError(
@@ -214,6 +221,18 @@ def install(config: SpanConfig) -> None:
         get_request_block_hasher._stock = stock  # type: ignore[attr-defined]
         return get_request_block_hasher
 
+    return factory
+
+
+def install(config: SpanConfig) -> None:
+    """Replace vLLM's request block hasher everywhere it is bound by name (EngineCore process).
+
+    ``vllm.v1.engine.core`` imported ``get_request_block_hasher`` by value, so patching only
+    ``kv_cache_utils`` would silently do nothing for the engine.
+    """
+    from engine_ext import patches
+
+    factory = hasher_factory(config)
     hashers = [p.target for p in patches.points("hash") if p.target.endswith("block_hasher")]
     patches.apply("hash", {
         **{target: factory for target in hashers},

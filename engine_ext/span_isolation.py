@@ -10,19 +10,25 @@ whether a request opted in to span semantics.
 So we wrap ``GPUModelRunner._build_attention_metadata`` (the CPU runner inherits it) to note
 which runner is building metadata; a position-free metadata builder then asks
 :func:`step_key_starts` for the step's per-token ``key_start`` while it builds. Outside that call
-(profiling runs, other runners) there is no step and isolation is off.
+(profiling runs) there is no step and isolation is off. A step that computes opted-in tokens
+outside the hook (vLLM's V2 model runner never calls the wrapped method) is refused:
+``engine_ext/integration_guard.py`` marks such steps with :func:`expect_isolated_step`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine_ext.span_segments import block_key_starts
+from span_contract.errors import EngineIntegrationError
 from span_contract.span_config import SpanConfig, spans_opted_in
 
 TARGET = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata"
@@ -51,6 +57,23 @@ def install(config: SpanConfig) -> None:
     patches.apply("rope", {TARGET: factory})
 
 
+@dataclass
+class IsolatedStep:
+    builds: int = 0  # position-free builders that asked for key starts inside the hook
+
+
+@contextlib.contextmanager
+def expect_isolated_step() -> Iterator[IsolatedStep]:
+    """The step run inside this block computes opted-in tokens: every builder's request for key
+    starts must come from inside the isolation hook (else :class:`EngineIntegrationError`)."""
+    previous = getattr(_STEP, "expected", None)
+    _STEP.expected = step = IsolatedStep()
+    try:
+        yield step
+    finally:
+        _STEP.expected = previous
+
+
 def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_size: int) -> torch.Tensor | None:
     """``key_start`` per query token of the step being built (int64), or None if no token of
@@ -59,6 +82,15 @@ def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     ``query_start_loc`` / ``seq_lens`` cover the step's requests in the runner's batch order.
     """
     runner = getattr(_STEP, "runner", None)
+    expected: IsolatedStep | None = getattr(_STEP, "expected", None)
+    if expected is not None:
+        if runner is None:
+            raise EngineIntegrationError(
+                "minipic: attention metadata for a step with span-opted-in tokens was built "
+                "outside GPUModelRunner._build_attention_metadata, so span isolation cannot "
+                "apply (a model runner that bypasses the hook, e.g. vLLM's V2 runner: set "
+                "VLLM_USE_V2_MODEL_RUNNER=0); the engine stops before answering")
+        expected.builds += 1
     config: SpanConfig | None = _STATE["config"]
     if runner is None or config is None:
         return None

@@ -48,6 +48,9 @@ def plugin_code_hash() -> str:
 DEFAULT_CPU_KVCACHE_GIB = "2"
 
 
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
 class EngineSettings(BaseModel):
     """Engine knobs that matter to minipic. Anything else passes through as vLLM engine args."""
 
@@ -106,6 +109,11 @@ class EngineSettings(BaseModel):
         if self.pic:
             assert self.span_config is not None, "call resolved() first"
             env.update(self.span_config.to_env(self.features))
+            if "rope" in self.features:
+                # vLLM's V1 model runner: span isolation hooks its metadata build, which the V2
+                # runner (the CUDA default since 0.32) does not have; the worker refuses
+                # opted-in requests on a runner that skips it (engine_ext/integration_guard.py)
+                env[V2_RUNNER_ENV] = "0"
             if "ckpt" in self.features:
                 env.update((self.ckpt or CheckpointConfig()).to_env())
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE",

@@ -147,9 +147,14 @@ def test_router_belief_matches_what_engines_hold(cluster, builder, seed) -> None
     finally:
         orc.close()
     assert all(not isinstance(a, Exception) for a in answers), answers
-    # a question's prefills and its final met on one replica (routed as that final)
+    # The burst reused spans. Not a fixed share of what the SDK expected: its warmth is per URL,
+    # so a question may lean on a span prefilled for another question, which the router placed
+    # on the other replica; that span is recomputed where this final goes (correct, slower; the
+    # shared span store is what removes it). The probes below are the exact check.
     expected = sum(a.expected_cached_tokens for a in answers)
-    assert sum(a.cached_tokens for a in answers) >= 0.8 * expected > 0
+    got = sum(a.cached_tokens for a in answers)
+    assert 0 < got and expected > 0, (got, expected)
+    assert all(a.cached_tokens <= a.prompt_tokens for a in answers), answers
     settle(cluster)
     reps = replicas(cluster)
     checked = 0

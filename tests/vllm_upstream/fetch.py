@@ -68,22 +68,59 @@ def should_do_global_cleanup_after_test() -> bool:
 PYTEST_INI = "[pytest]\nfilterwarnings = ignore::DeprecationWarning\n"
 
 
-def _download(dest: Path) -> None:
+# The next vLLM, read (never installed) by tests/test_vllm_next.py: its Python sources against
+# the patch table (engine_ext/patch_sources.py). 47 MB, the same host as above.
+NEXT_VERSION = "0.33.0"
+NEXT_SDIST_URL = (
+    "https://files.pythonhosted.org/packages/f7/25/"
+    "aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz"
+)
+NEXT_SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
+
+
+def _download(dest: Path, url: str = SDIST_URL, sha256: str = SDIST_SHA256,
+              version: str = VLLM_VERSION) -> None:
     part = dest.with_suffix(".part")
     try:
-        with urllib.request.urlopen(SDIST_URL, timeout=120) as resp, part.open("wb") as out:
+        with urllib.request.urlopen(url, timeout=120) as resp, part.open("wb") as out:
             shutil.copyfileobj(resp, out)
     except OSError as exc:
         part.unlink(missing_ok=True)
         raise RuntimeError(
-            f"could not download vLLM {VLLM_VERSION}'s sdist from PyPI ({exc}); without a "
-            f"network, put vllm-{VLLM_VERSION}.tar.gz (sha256 {SDIST_SHA256}) at {dest}"
+            f"could not download vLLM {version}'s sdist from PyPI ({exc}); without a "
+            f"network, put vllm-{version}.tar.gz (sha256 {sha256}) at {dest}"
         ) from exc
     got = sha256_of(part)
-    if got != SDIST_SHA256:
+    if got != sha256:
         part.unlink()
-        raise RuntimeError(f"vllm-{VLLM_VERSION}.tar.gz: sha256 {got}, expected {SDIST_SHA256}")
+        raise RuntimeError(f"vllm-{version}.tar.gz: sha256 {got}, expected {sha256}")
     part.rename(dest)
+
+
+def next_sources(cache: Path) -> Path:
+    """A folder holding the next vLLM's ``vllm/`` Python package sources (not importable as
+    installed: no compiled parts; read with ``engine_ext.patch_sources.VllmSources``)."""
+    root = cache / "vllm-sources" / NEXT_VERSION
+    done = root / ".complete"
+    if done.exists():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    with exclusive(root.parent / f".{NEXT_VERSION}.lock"):
+        if not done.exists():
+            sdist = root.parent / f"vllm-{NEXT_VERSION}.tar.gz"
+            if not sdist.exists() or sha256_of(sdist) != NEXT_SDIST_SHA256:
+                _download(sdist, NEXT_SDIST_URL, NEXT_SDIST_SHA256, NEXT_VERSION)
+            prefix = f"vllm-{NEXT_VERSION}/"
+            with tarfile.open(sdist) as tar:
+                members = []
+                for member in tar.getmembers():
+                    if member.name.startswith(prefix + "vllm/") and member.name.endswith(".py"):
+                        member.name = member.name[len(prefix):]
+                        members.append(member)
+                tar.extractall(root, members=members, filter="data")
+            sdist.unlink()  # the sources are what is kept (about a fifth of the archive)
+            done.write_text(NEXT_SDIST_SHA256)
+    return root
 
 
 def upstream_tree(cache: Path) -> Path:
