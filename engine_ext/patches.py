@@ -175,6 +175,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("ckpt", "vllm.v1.engine.input_processor:InputProcessor._validate_params",
                ("self", "params", "supported_tasks"),
                "a bad per-request plan must be a 400 in the front-end, not an engine error"),
+    # -- documents: any OpenAI client's documents laid out by the server (serving/documents)
+    PatchPoint("documents",
+               "vllm.entrypoints.openai.chat_completion.serving:"
+               "OpenAIServingChat.render_chat_request", ("self", "request"),
+               "a chat request's prompt is the template's rendering, with no way in for token "
+               "ids; the laid-out spans replace the rendered ids (API-server process)"),
     # -- route: not patched, but called outside the engine by the cluster router, which must
     # hash requests exactly as the EngineCore does (serving/request_blocks.py)
     PatchPoint("route", "vllm.v1.request:Request.__init__",

@@ -8,7 +8,8 @@ import sys
 
 from langchain_core.runnables import RunnableLambda
 
-from orchestrator import SpanRAGRunnable, SyncOrchestrator, WikiRetriever
+from integrations.langchain import SpanRAGRunnable, WikiRetriever
+from orchestrator import SyncOrchestrator
 
 SYSTEM = "Answer using only the documents provided. Reply with a short phrase."
 

@@ -11,15 +11,14 @@ Start with ``Orchestrator.embedded()`` (in-process vLLM) or ``Orchestrator.conne
 - ``backends`` / ``embedded_backend`` / ``http_backend``: the engine interface and its two forms
 - ``errors``, ``results``, ``retry``: what callers catch, read and tune
 - ``streaming``: one question's answer token by token (spans warmed first, final sent once)
-- ``langchain_adapter``, ``wiki_retriever``: LangChain integration (imported on first use), with
-  ``langchain_io`` (input and output types), ``langchain_tracing`` (the LLM child run) and
-  ``loop_bridge`` (sync and foreign-loop callers)
+- ``loop_bridge``: running the SDK from sync code and from another event loop (the framework
+  integrations in ``integrations/`` use it)
 - ``corpus``: the offline Wikipedia corpus and question set
+
+LangChain and LlamaIndex live beside the SDK, in ``integrations/``.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from orchestrator.backends import BackendInfo, Completion, EngineBackend, Sampling
 from orchestrator.client import Orchestrator, Question
@@ -41,22 +40,6 @@ from orchestrator.scheduler import SchedulerEvent, SchedulerOptions
 from orchestrator.sync_client import SyncOrchestrator
 from orchestrator.warmth import WarmthRegistry
 
-_LAZY = {
-    "SpanRAGRunnable": "orchestrator.langchain_adapter",
-    "documents_to_spans": "orchestrator.langchain_adapter",
-    "WikiRetriever": "orchestrator.wiki_retriever",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """LangChain pieces load on first use (langchain-core is slow to import)."""
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
-
-
 __all__ = [
     "Answer",
     "BackendInfo",
@@ -76,12 +59,9 @@ __all__ = [
     "Sampling",
     "SchedulerEvent",
     "SchedulerOptions",
-    "SpanRAGRunnable",
     "SpanStatus",
     "SpanTooLongError",
     "SyncOrchestrator",
     "UnavailableError",
     "WarmthRegistry",
-    "WikiRetriever",
-    "documents_to_spans",
 ]

@@ -1,8 +1,9 @@
 """The layout's arrows point down, and each package's public names are the README's.
 
 Layers (README "Public API"): the app ``minipic`` on top; ``serving`` (servers, the Ray Serve
-cluster), ``orchestrator`` (client) and ``engine_ext`` (vLLM plugin); ``prompt_builder``; the
-contract ``span_contract``; pure math ``kernels`` and ``checkpoint_planner`` at the bottom.
+cluster, documents laid out server-side) and ``integrations`` (LangChain, LlamaIndex) over the
+SDK ``orchestrator``; ``engine_ext`` (vLLM plugin); ``prompt_builder``; the contract
+``span_contract``; pure math ``kernels`` and ``checkpoint_planner`` at the bottom.
 Every import statement of every module is read (function-level imports too), so a lazy import
 cannot hide an upward arrow.
 """
@@ -19,14 +20,18 @@ import pytest
 pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("minipic", "serving", "orchestrator", "engine_ext", "prompt_builder", "span_contract",
-        "kernels", "checkpoint_planner")
+OURS = ("minipic", "serving", "integrations", "orchestrator", "engine_ext", "prompt_builder",
+        "span_contract", "kernels", "checkpoint_planner")
 # package -> the packages of ours it may import
 ALLOWED = {
     "minipic": set(OURS),
     # the server side: one supervised server, or the Ray Serve cluster and its router (which
     # hashes requests with the engine plugin's own hasher)
-    "serving": {"engine_ext", "span_contract"},
+    # documents on the standard routes lay prompts out and prefill spans with the SDK's own
+    # builder and scheduler (serving/documents), so the server side sits above both
+    "serving": {"engine_ext", "span_contract", "prompt_builder", "orchestrator"},
+    # framework glue beside the SDK: it uses the SDK, the SDK never imports it
+    "integrations": {"orchestrator", "prompt_builder", "span_contract"},
     "orchestrator": {"prompt_builder", "span_contract"},
     "engine_ext": {"span_contract", "kernels", "checkpoint_planner"},
     "prompt_builder": {"span_contract"},

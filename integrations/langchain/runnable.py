@@ -6,17 +6,17 @@ documents with the retriever, turns each ``Document`` into a span (``documents_t
 answers through the orchestrator. By default it returns the answer's text, so
 ``prompt | rag | StrOutputParser()`` and ``rag.as_tool(...)`` work as with any model;
 ``output="message"`` gives an ``AIMessage`` with usage metadata, ``output="answer"`` the full
-``Answer`` (``orchestrator.langchain_io`` describes all three).
+``Answer`` (``integrations.langchain.io`` describes all three).
 
 What LangChain machinery sees: the retriever's run, then the model call as a child LLM run
 (``on_llm_start`` / ``on_llm_new_token`` / ``on_llm_end`` with ``usage_metadata`` including
-``input_token_details.cache_read``; ``orchestrator.langchain_tracing``). ``stream`` / ``astream``
+``input_token_details.cache_read``; ``integrations.langchain.tracing``). ``stream`` / ``astream``
 yield tokens as the engine produces them (``orchestrator.streaming``). ``batch`` / ``abatch``
 answer the whole batch with one ``answer_many`` call, so span prefills are de-duplicated and
 pipelined across it (ISPS); with ``max_concurrency`` in the config, at most that many questions
 are in flight at once instead. A retriever that finds nothing does not fail the question: the
 model answers alone, and ``no_documents`` says so (``response_metadata`` of a message,
-``langchain_io.no_documents(answer)``).
+``integrations.langchain.io.no_documents(answer)``).
 
 Span identity: ``metadata["span_id"]`` when the retriever sets one, else ``Document.id``, else
 the content address of the text (same text, same span).
@@ -43,9 +43,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import ConfigDict, Field, field_validator
 
-from orchestrator.client import Orchestrator, Question
-from orchestrator.errors import BadInputError, MinipicError
-from orchestrator.langchain_io import (
+from integrations.langchain.io import (
     QUESTION_KEYS,
     ChainInput,
     Output,
@@ -60,7 +58,9 @@ from orchestrator.langchain_io import (
     render_prompt,
     shape,
 )
-from orchestrator.langchain_tracing import LLMRun
+from integrations.langchain.tracing import LLMRun
+from orchestrator.client import Orchestrator, Question
+from orchestrator.errors import BadInputError, MinipicError
 from orchestrator.loop_bridge import iterate_async, iterate_sync, run_async, run_sync
 from orchestrator.results import Answer
 from orchestrator.streaming import stream_answer

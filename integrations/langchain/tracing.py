@@ -22,7 +22,7 @@ from langchain_core.callbacks import (
 from langchain_core.messages import AIMessageChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, LLMResult
 
-from orchestrator.langchain_io import to_message, usage_metadata
+from integrations.langchain.io import to_message, usage_metadata
 from orchestrator.results import Answer
 
 RUN_NAME = "minipic"
