@@ -29,6 +29,6 @@ class WikiRetriever(BaseRetriever):
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         hits = self.corpus.search(query_bundle.query_str, k=self.k)
         # the corpus ranks but does not score: rank order as 1, 1/2, 1/3, ...
-        return [NodeWithScore(node=TextNode(id_=p.title, text=p.as_document(),
+        return [NodeWithScore(node=TextNode(id_=p.title, text=p.as_document,
                                             metadata={"title": p.title}), score=1 / (rank + 1))
                 for rank, p in enumerate(hits)]

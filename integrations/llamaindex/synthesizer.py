@@ -34,7 +34,7 @@ _LAST: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
 
 
 def _record(extra: dict[str, Any], response: Any) -> None:
-    extra.update(usage=response.raw.get("usage"), **response.additional_kwargs)
+    extra.update(usage=response.raw.get("usage"), **response.additional_kwargs.get("minipic", {}))
 
 
 class SpanSynthesizer(BaseSynthesizer):
