@@ -67,7 +67,7 @@ class ClusterIngress:
         # only the span router reads block hashes and routes prefills by their final
         self.cluster = {"replicas": replicas, "router": router,
                         "route_hints": router == "span"}
-        self.hasher = RequestBlockHasher(hash_setup, settings.model)
+        self.hasher = RequestBlockHasher(hash_setup, settings.model, settings.max_model_len)
         self.retries = 0
         self._running_at, self._running_count = 0.0, 0
         self.hash_ms = 0.0  # the router's cost in this process: hashing each request's blocks

@@ -98,7 +98,8 @@ class RoutedRequest:
 class RequestBlockHasher:
     """Block hashes of OpenAI request bodies, for one hash setup and one tokenizer."""
 
-    def __init__(self, setup: HashSetup, tokenizer_path: str | None) -> None:
+    def __init__(self, setup: HashSetup, tokenizer_path: str | None,
+                 max_model_len: int | None = None) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core import kv_cache_utils as kcu
 
@@ -128,6 +129,7 @@ class RequestBlockHasher:
                                               setup.span_config)
         self._convert: Callable[[Any], int] = kcu.maybe_convert_block_hash
         self._tokenizer_path = tokenizer_path
+        self._max_model_len = max_model_len  # the replicas' (the documents layout's budget)
 
     @functools.cached_property
     def _tokenizer(self) -> Any:
@@ -135,10 +137,35 @@ class RequestBlockHasher:
 
         return AutoTokenizer.from_pretrained(self._tokenizer_path)
 
+    @functools.cached_property
+    def _layout_builder(self) -> Any:
+        from serving.documents.server_side import layout_builder
+
+        return layout_builder(str(self._tokenizer_path), self.setup.span_config,
+                              self._max_model_len)
+
+    def _laid_out(self, route: str, body: dict[str, Any]) -> list[list[int]]:
+        """A documents body's prompt as its replica will lay it out ([] when it cannot be:
+        the replica answers the 400)."""
+        from serving.documents.bodies import parse
+        from serving.documents.server_side import layout
+
+        if self._tokenizer_path is None:
+            return []
+        try:
+            return [layout(self._layout_builder, parse(route, body)).prompt_token_ids]  # type: ignore[arg-type]
+        except Exception:  # a bad body is the replica's to report, not the router's
+            return []
+
     def token_ids(self, route: str, body: dict[str, Any],
                   prompt: Any = None) -> list[list[int]]:
         """The prompts of a body (or ``prompt`` in its place) as token ids ([] when they
-        cannot be read: no affinity)."""
+        cannot be read: no affinity). A body with documents (``serving/documents``) is laid
+        out as the replica will lay it out."""
+        from serving.documents.bodies import wants_documents
+
+        if prompt is None and wants_documents(route, body):  # type: ignore[arg-type]
+            return self._laid_out(route, body)
         if route == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list) or self._tokenizer_path is None:
@@ -183,8 +210,11 @@ class RequestBlockHasher:
         prompts: list[list[int]] | None = None
         hashes: list[int] = []
         if hash_blocks and self.setup.matchable:
+            from serving.documents.bodies import wants_documents
+
             xargs = body.get("vllm_xargs")
-            opted_in = isinstance(xargs, dict) and xargs.get(SPANS_OPT_IN_KEY) is True
+            opted_in = (isinstance(xargs, dict) and xargs.get(SPANS_OPT_IN_KEY) is True
+                        ) or wants_documents(route, body)  # type: ignore[arg-type]
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             if route_as is None:
                 prompts = targets = self.token_ids(route, body)

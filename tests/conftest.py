@@ -169,7 +169,8 @@ def free_port() -> int:
 class ServerProcess:
     """A real `minipic serve` subprocess on a free loopback port."""
 
-    def __init__(self, *args: str, log_path: str | None = None):
+    def __init__(self, *args: str, log_path: str | None = None, eager: bool = True):
+        self.eager = eager  # tests run eager: compiled start-up costs ~40 s per server
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = args
@@ -181,9 +182,8 @@ class ServerProcess:
 
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            # tests run eager: compiled start-up costs ~40 s per server on 2 cores
-            [sys.executable, "-m", "minipic.cli", "serve", "--port", str(self.port), "--eager",
-             *self.args],
+            [sys.executable, "-m", "minipic.cli", "serve", "--port", str(self.port),
+             *(["--eager"] if self.eager else []), *self.args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + timeout

@@ -5,7 +5,8 @@ replicas of the tiny model), over HTTP.
   system prompts and at other offsets (where a prefix router sees nothing in common);
 * what the router believes each replica holds equals what each engine reports as cached on probe
   requests sent to it directly;
-* the unchanged SDK and the official ``openai`` client work against the one URL;
+* the unchanged SDK and the official ``openai`` client work against the one URL, and so do the
+  documents bodies any OpenAI client sends (routed by their laid-out span blocks);
 * a replica killed mid-batch: every question ends as an answer or a clear error, the router
   forgets the replica, and nothing of it is left running (last: it costs a replica).
 """
@@ -185,6 +186,33 @@ def test_plain_openai_client_against_the_cluster(cluster, builder) -> None:
     missing = httpx.post(cluster.base_url + "/v1/completions", json={"model": "minipic"},
                          timeout=30)
     assert missing.status_code == 400  # vLLM's own validation error, passed through
+
+
+def test_documents_bodies_through_the_cluster(cluster, seed) -> None:
+    """The documents bodies of any OpenAI client (serving/documents), through the ingress: routed
+    by their laid-out span blocks, so a repeat goes to the replica holding them and finds them."""
+    rng = random.Random(seed + 3)
+    docs = [{"title": words(rng, 2), "text": words(rng, rng.randint(40, 80))} for _ in range(3)]
+    chat_body = {"model": "minipic", "max_tokens": 3, "temperature": 0, "documents": docs,
+                 "messages": [{"role": "system", "content": words(rng, 6)},
+                              {"role": "user", "content": words(rng, 5) + "?"}]}
+    first = httpx.post(cluster.base_url + "/v1/chat/completions", json=chat_body, timeout=300)
+    again = httpx.post(cluster.base_url + "/v1/chat/completions", json=chat_body, timeout=300)
+    assert first.status_code == again.status_code == 200, first.text
+    assert first.headers[REPLICA_HEADER] == again.headers[REPLICA_HEADER]
+    expected = again.json()["minipic"]["expected_cached_tokens"]
+    assert cached(again) == expected > 0
+    assert (first.json()["choices"][0]["message"]["content"]
+            == again.json()["choices"][0]["message"]["content"])
+    # the same documents as a completions body, another question: routed to the holder too
+    body = {"model": "minipic", "max_tokens": 3, "temperature": 0,
+            "minipic": {"question": words(rng, 4) + "?", "documents": docs[::-1]}}
+    other = httpx.post(cluster.base_url + "/v1/completions", json=body, timeout=300)
+    assert other.status_code == 200, other.text
+    assert other.headers[REPLICA_HEADER] == first.headers[REPLICA_HEADER]
+    bad = httpx.post(cluster.base_url + "/v1/chat/completions",
+                     json={**chat_body, "documents": [{"text": 1}]}, timeout=120)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents[0].text"
 
 
 def _alive(pid: int) -> bool:

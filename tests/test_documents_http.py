@@ -213,8 +213,12 @@ def test_llamaindex_query_engine_answers_streams_and_reports_cache(server, sdk) 
     from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
     from llama_index.core.embeddings import MockEmbedding
 
-    from integrations.llamaindex import MinipicLLM, SpanSynthesizer, WikiRetriever
-    from integrations.llamaindex import span_query_engine
+    from integrations.llamaindex import (
+        MinipicLLM,
+        SpanSynthesizer,
+        WikiRetriever,
+        span_query_engine,
+    )
 
     engine = span_query_engine(WikiRetriever(k=2), sdk, answer_kwargs={"max_tokens": 8})
     query = "Which river flows through Paris?"

@@ -2,8 +2,9 @@
 
 One :class:`Orchestrator` per API-server process, over the server's own engine client
 (:class:`ServerEngineBackend`, the embedded backend's request path on an engine it does not
-own). ``Orchestrator.build`` lays the prompt out exactly as the SDK does, so a plain client's
-prompt equals the SDK's for the same inputs; ``Scheduler.prewarm`` runs its span prefills with
+own). :func:`layout` makes the ``PromptBuilder.build`` call ``Orchestrator.build`` makes, with
+the builder ``Orchestrator.connect`` would make, so a plain client's prompt equals the SDK's for
+the same inputs; ``Scheduler.prewarm`` runs its span prefills with
 the SDK's de-duplication: a span another request is already prefilling is joined, not sent again
 (one task per ``(cache_salt, prefill key)``), and a span the warmth registry knows warm is not
 sent at all. Prefills hold only the scheduler's prefill slots, so requests whose spans are warm
@@ -23,13 +24,32 @@ from typing import Any
 from orchestrator import Orchestrator
 from orchestrator.backends import BackendInfo
 from orchestrator.embedded_backend import EmbeddedBackend
-from orchestrator.errors import BadInputError, MinipicError
+from orchestrator.errors import BadInputError, MinipicError, from_build_error
 from orchestrator.kv_usage import KVUsageMonitor
-from prompt_builder import BuiltPrompt, PromptBuilder
+from prompt_builder import BuiltPrompt, PromptBuilder, PromptBuildError
 from serving.documents.bodies import DocumentsRequest
 from span_contract.span_config import SpanConfig
 
 logger = logging.getLogger("minipic.documents")
+
+
+def layout_builder(model_dir: str, span_config: SpanConfig, max_model_len: int) -> PromptBuilder:
+    """The prompt builder the SDK would make for this server (``Orchestrator.connect``)."""
+    return PromptBuilder.from_pretrained(
+        model_dir, block_size=span_config.block_size, ssep_id=span_config.ssep_id,
+        pdep_id=span_config.pdep_id, pad_id=span_config.pad_id, max_model_len=max_model_len)
+
+
+def layout(builder: PromptBuilder, request: DocumentsRequest) -> BuiltPrompt:
+    """The request laid out exactly as ``Orchestrator.build`` lays out the same inputs (the
+    server's final and the cluster ingress's routing both use this); ``BadInputError`` family
+    when it cannot be built."""
+    try:
+        return builder.build(question=request.question, system=request.system,
+                             spans=list(request.documents), mode=request.mode,
+                             max_tokens=request.max_tokens, budget=request.budget)
+    except PromptBuildError as exc:
+        raise from_build_error(exc) from exc
 
 
 class ServerEngineBackend(EmbeddedBackend):
@@ -64,10 +84,8 @@ class ServerSide:
     def __init__(self, engine_client: Any, model_dir: str, max_model_len: int,
                  span_config: SpanConfig) -> None:
         backend = ServerEngineBackend(engine_client, model_dir, max_model_len, span_config)
-        builder = PromptBuilder.from_pretrained(
-            model_dir, block_size=span_config.block_size, ssep_id=span_config.ssep_id,
-            pdep_id=span_config.pdep_id, pad_id=span_config.pad_id, max_model_len=max_model_len)
-        self.orchestrator = Orchestrator(backend, builder)
+        self.orchestrator = Orchestrator(backend, layout_builder(model_dir, span_config,
+                                                                 max_model_len))
         self.prefills_sent = 0
         self.requests = 0
 
@@ -76,10 +94,7 @@ class ServerSide:
                 "spans_believed_warm": len(self.orchestrator.registry)}
 
     def build(self, request: DocumentsRequest) -> BuiltPrompt:
-        """The SDK's layout of the request (``BadInputError`` family when it cannot be built)."""
-        return self.orchestrator.build(request.question, request.documents, request.system,
-                                       request.mode, max_tokens=request.max_tokens,
-                                       budget=request.budget)
+        return layout(self.orchestrator.builder, request)
 
     async def prepare(self, request: DocumentsRequest) -> Prepared:
         prompt = self.build(request)
