@@ -158,6 +158,8 @@ def main() -> None:
             for path in order:
                 rows[path].append({"question": i, **getattr(ask, path)()})
         loop.run_until_complete(orc.backend.aclose())
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
     finally:
         server.stop()
 

@@ -153,6 +153,27 @@ class EmbeddedBackend:
             finish_reason=finish,
         )
 
+    async def prompt_logprobs(self, token_ids: Sequence[int], k: int, *,
+                              spans: bool = True) -> list[dict[int, float] | None]:
+        """Log-probabilities of the top ``k`` next tokens (and of the actual one) at every
+        prompt position, as the engine computes them in one request (teacher forcing;
+        ``minipic eval``). ``spans``: opt the request in to span semantics. vLLM reads no
+        cached blocks for such a request, which the engine's span isolation makes harmless:
+        a cold prompt is computed as the warm one."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_loop()
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k,
+                                extra_args={SPANS_OPT_IN_KEY: True} if spans else None)
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(token_ids)),
+                                              params, f"minipic-lp-{uuid.uuid4().hex}"):
+            final = out
+        assert final is not None and final.prompt_logprobs is not None
+        return [None if pos is None else {int(t): float(lp.logprob) for t, lp in pos.items()}
+                for pos in final.prompt_logprobs]
+
     async def rotated_pool_stats(self) -> dict[str, Any]:
         """The CPU worker's rotated-block pool: bytes now, peak, cap and the budget it was given
         (memory outside the KV blocks, inside the configured KV space; see

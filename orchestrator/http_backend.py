@@ -282,6 +282,27 @@ class HttpBackend:
             ttft_s=(first or done) - sent, latency_s=done - sent, finish_reason=finish,
         )
 
+    async def prompt_logprobs(self, token_ids: Sequence[int], k: int, *,
+                              spans: bool = True) -> list[dict[int, float] | None]:
+        """``EmbeddedBackend.prompt_logprobs`` over HTTP (vLLM's ``prompt_logprobs`` field of
+        ``/v1/completions``)."""
+        url = self.base_url + "/v1/completions"
+        body: dict[str, Any] = {"model": self.info.model, "prompt": list(token_ids),
+                                "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k}
+        if spans:
+            body["vllm_xargs"] = {SPANS_OPT_IN_KEY: True}
+        try:
+            resp = await self._client().post("/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc, self.base_url) from exc
+        if resp.status_code != 200:
+            raise _status_error(resp.status_code, resp.content, url)
+        positions = resp.json()["choices"][0].get("prompt_logprobs")
+        if not isinstance(positions, list):
+            raise ConfigMismatchError(f"{url} returned no prompt_logprobs")
+        return [None if pos is None else {int(t): float(v["logprob"]) for t, v in pos.items()}
+                for pos in positions]
+
     async def reset_cache(self) -> None:
         """Empty the server's prefix cache: ``POST /minipic/reset_prefix_cache``, which
         ``minipic serve`` answers only when started with ``--enable-cache-reset`` (403 else).
