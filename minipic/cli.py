@@ -20,6 +20,7 @@ Typical use:
   minipic serve --port 8000     OpenAI-compatible vLLM server with minipic enabled
   minipic index docs.jsonl --store DIR   precompute a corpus's span KV into a span store
   minipic plan --histogram H --budget 8   plan recurrent-state checkpoints (hybrid models)
+  minipic eval                  answer quality of each mode vs full attention, beside its TTFT
 """
 
 # subcommand modules; each exposes add_subparser(subparsers). Optional ones may be absent.
@@ -30,6 +31,7 @@ SUBCOMMAND_MODULES = (
     "minipic.index",
     "checkpoint_planner.cli",
     "minipic.bench",
+    "minipic.eval",
 )
 
 

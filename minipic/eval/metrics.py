@@ -85,7 +85,7 @@ def f1(prediction: str, gold: str) -> float:
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first token where two greedy outputs differ (None: identical)."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
