@@ -165,6 +165,7 @@ class EmbeddedBackend:
 
         self._check_loop()
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k,
+                                detokenize=False,  # token ids are what is compared
                                 extra_args={SPANS_OPT_IN_KEY: True} if spans else None)
         final = None
         async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(token_ids)),

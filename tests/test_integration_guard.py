@@ -121,7 +121,11 @@ def test_runner_without_the_hooked_method_is_named() -> None:
         guard.check_static(types.SimpleNamespace(model_runner=None, vllm_config=no_layers))
 
 
-RUNNER_CHOICE = """
+@pytest.mark.fast
+def test_minipic_engines_resolve_the_v1_runner_where_triton_exists() -> None:
+    """The runner choice vLLM resolves for minipic's engine config: V2 where Triton exists
+    (the CUDA default), V1 with the environment minipic's launchers set."""
+    script = """
 import os
 from span_contract.engine_config import V2_RUNNER_ENV, EngineSettings
 from vllm.engine.arg_utils import EngineArgs
@@ -136,14 +140,8 @@ print("TRITON_STOCK", config.use_v2_model_runner)
 os.environ[V2_RUNNER_ENV] = settings.plugin_env()[V2_RUNNER_ENV]
 print("TRITON_MINIPIC", config.use_v2_model_runner)
 """
-
-
-@pytest.mark.fast
-def test_minipic_engines_resolve_the_v1_runner_where_triton_exists() -> None:
-    """The runner choice vLLM resolves for minipic's engine config: V2 where Triton exists
-    (the CUDA default), V1 with the environment minipic's launchers set."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
-    proc = subprocess.run([sys.executable, "-c", RUNNER_CHOICE], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     lines = dict(line.split() for line in proc.stdout.splitlines() if line.count(" ") == 1)
     assert lines == {"CPU": "False", "TRITON_STOCK": "True", "TRITON_MINIPIC": "False"}, (

@@ -31,7 +31,8 @@ __all__ = ["evaluate", "add_subparser"]
 
 async def evaluate(orc: Any, items: Sequence[EvalItem], modes: Sequence[str] = DEFAULT_MODES,
                    *, max_tokens: int = 16, k: int = TOP_K, errors: Sequence[dict] = (),
-                   progress: bool = True, seed: int = 0) -> dict[str, Any]:
+                   progress: bool = True, seed: int = 0, concurrency: int = 1
+                   ) -> dict[str, Any]:
     """The report for ``items`` on ``orc`` (an ``Orchestrator``): summary, records, errors."""
     from tqdm import tqdm
 
@@ -39,7 +40,7 @@ async def evaluate(orc: Any, items: Sequence[EvalItem], modes: Sequence[str] = D
     started = time.perf_counter()
     try:
         records, failed = await run_items(orc, items, modes, max_tokens=max_tokens, k=k,
-                                          progress=bar.update)
+                                          concurrency=concurrency, progress=bar.update)
     finally:
         bar.close()
     summary = summarize(records, modes, seed=seed)
@@ -49,6 +50,7 @@ async def evaluate(orc: Any, items: Sequence[EvalItem], modes: Sequence[str] = D
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "python": platform.python_version()},
         "settings": {"modes": list(modes), "max_tokens": max_tokens, "top_k": k,
+                     "concurrency": concurrency, "items": len(items),
                      "kl": "top-k, tail-bucketed (minipic/eval/metrics.py)", "seed": seed},
         "wall_s": time.perf_counter() - started,
         "summary": summary, "verdict": verdict(summary),
@@ -140,6 +142,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
     p.add_argument("--url", help="a running `minipic serve` (default: an embedded engine)")
     p.add_argument("--model", default=None, help="embedded model (default SmolLM2-135M)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="items at once (their requests share engine steps; default 1)")
+    p.add_argument("--max-words", type=int, default=80,
+                   help="built-in passages are cut to this many words (default 80)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/eval"))
     p.set_defaults(func=run)
@@ -168,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_jsonl(args.data)
         items, errors = loaded.items, loaded.errors
     else:
-        items = builtin_items(args.data, args.n, args.seed, (low, high))
+        items = builtin_items(args.data, args.n, args.seed, (low, high), args.max_words)
     print(f"minipic eval: {len(items)} items, modes {modes}, "
           f"{'server ' + args.url if args.url else 'embedded engine'}")
     from orchestrator import Orchestrator
@@ -185,6 +191,6 @@ async def _run(args: argparse.Namespace, orc: Any, items: list[EvalItem], modes:
                errors: list[dict[str, Any]]) -> dict[str, Any]:
     try:
         return await evaluate(orc, items, modes, max_tokens=args.max_tokens, errors=errors,
-                              seed=args.seed)
+                              seed=args.seed, concurrency=args.concurrency)
     finally:
         await orc.backend.aclose()

@@ -157,20 +157,32 @@ def verdict(summary: dict[str, Any]) -> str | None:
 
 
 async def run_items(orc: Any, items: Sequence[EvalItem], modes: Sequence[str], *,
-                    max_tokens: int = 16, k: int = TOP_K,
+                    max_tokens: int = 16, k: int = TOP_K, concurrency: int = 1,
                     progress: Callable[[], None] | None = None
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Records of the items that ran, and an error entry for each that failed (the run goes
-    on: one bad item never loses the others)."""
+    """Records of the items that ran (in item order), and an error entry for each that failed
+    (the run goes on: one bad item never loses the others). ``concurrency`` items run at once:
+    their requests share engine steps (more throughput; a TTFT then includes other items'
+    work, alike for every mode)."""
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(item: EvalItem) -> dict[str, Any] | Exception:
+        async with gate:
+            try:
+                return await evaluate_item(orc, item, modes, max_tokens=max_tokens, k=k)
+            except Exception as exc:  # per item: report it, keep going
+                return exc
+            finally:
+                if progress is not None:
+                    progress()
+
+    results = await asyncio.gather(*(one(item) for item in items))
     records, errors = [], []
-    for item in items:
-        try:
-            records.append(await evaluate_item(orc, item, modes, max_tokens=max_tokens, k=k))
-        except Exception as exc:  # per-item: report it, keep going
-            errors.append({"id": item.id, "error": f"{type(exc).__name__}: {exc}"[:500]})
-        if progress is not None:
-            progress()
-        await asyncio.sleep(0)
+    for item, result in zip(items, results, strict=True):
+        if isinstance(result, Exception):
+            errors.append({"id": item.id, "error": f"{type(result).__name__}: {result}"[:500]})
+        else:
+            records.append(result)
     return records, errors
 
 
