@@ -24,6 +24,22 @@ T = TypeVar("T")
 _ITEM, _ERROR, _DONE = "item", "error", "done"
 
 
+def check_orchestrator(value: Any) -> Any:
+    """A framework component's ``orchestrator`` field: an ``Orchestrator`` or a
+    ``SyncOrchestrator``, nothing else (pydantic validators of both integrations call it)."""
+    from orchestrator.client import Orchestrator
+
+    if not isinstance(value, (Orchestrator, SyncOrchestrator)):
+        raise TypeError(f"orchestrator must be an Orchestrator or SyncOrchestrator, got "
+                        f"{type(value).__name__}")
+    return value
+
+
+def async_side(orc: Any) -> Any:
+    """The async ``Orchestrator`` behind ``orc`` (itself, or a ``SyncOrchestrator``'s)."""
+    return orc.aio if isinstance(orc, SyncOrchestrator) else orc
+
+
 def _no_running_loop(what: str) -> None:
     try:
         asyncio.get_running_loop()

@@ -61,10 +61,16 @@ from integrations.langchain.io import (
 from integrations.langchain.tracing import LLMRun
 from orchestrator.client import Orchestrator, Question
 from orchestrator.errors import BadInputError, MinipicError
-from orchestrator.loop_bridge import iterate_async, iterate_sync, run_async, run_sync
+from orchestrator.loop_bridge import (
+    async_side,
+    check_orchestrator,
+    iterate_async,
+    iterate_sync,
+    run_async,
+    run_sync,
+)
 from orchestrator.results import Answer
 from orchestrator.streaming import stream_answer
-from orchestrator.sync_client import SyncOrchestrator
 from prompt_builder import Span
 
 __all__ = ["QUESTION_KEYS", "SpanRAGRunnable", "document_to_span", "documents_to_spans",
@@ -103,10 +109,7 @@ class SpanRAGRunnable(RunnableSerializable[RAGInput, Any]):
     @field_validator("orchestrator")
     @classmethod
     def _check_orchestrator(cls, value: Any) -> Any:
-        if not isinstance(value, (Orchestrator, SyncOrchestrator)):
-            raise TypeError(f"orchestrator must be an Orchestrator or SyncOrchestrator, got "
-                            f"{type(value).__name__}")
-        return value
+        return check_orchestrator(value)
 
     # -- types ----------------------------------------------------------------------------------
 
@@ -122,8 +125,7 @@ class SpanRAGRunnable(RunnableSerializable[RAGInput, Any]):
 
     @property
     def _aio(self) -> Orchestrator:
-        orc = self.orchestrator
-        return orc.aio if isinstance(orc, SyncOrchestrator) else orc
+        return async_side(self.orchestrator)
 
     @property
     def _model_name(self) -> str:

@@ -30,10 +30,16 @@ from llama_index.core.llms.callbacks import llm_completion_callback
 from pydantic import ConfigDict, Field, field_validator
 
 from orchestrator.client import Orchestrator
-from orchestrator.loop_bridge import iterate_async, iterate_sync, run_async, run_sync
+from orchestrator.loop_bridge import (
+    async_side,
+    check_orchestrator,
+    iterate_async,
+    iterate_sync,
+    run_async,
+    run_sync,
+)
 from orchestrator.results import Answer
 from orchestrator.streaming import stream_answer
-from orchestrator.sync_client import SyncOrchestrator
 
 
 def usage(answer: Answer) -> dict[str, Any]:
@@ -77,10 +83,7 @@ class MinipicLLM(CustomLLM):
     @field_validator("orchestrator")
     @classmethod
     def _check_orchestrator(cls, value: Any) -> Any:
-        if not isinstance(value, (Orchestrator, SyncOrchestrator)):
-            raise TypeError(f"orchestrator must be an Orchestrator or SyncOrchestrator, got "
-                            f"{type(value).__name__}")
-        return value
+        return check_orchestrator(value)
 
     @classmethod
     def class_name(cls) -> str:
@@ -88,8 +91,7 @@ class MinipicLLM(CustomLLM):
 
     @property
     def _aio(self) -> Orchestrator:
-        orc = self.orchestrator
-        return orc.aio if isinstance(orc, SyncOrchestrator) else orc
+        return async_side(self.orchestrator)
 
     @property
     def metadata(self) -> LLMMetadata:
