@@ -113,12 +113,13 @@ def test_small_real_run_has_every_field(tiny_orchestrator, tmp_path: Path, seed)
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"question": "q"}\n\xff\n')
     errors = load_jsonl(bad).errors
+    modes = ("prefix", "block_attention", "boundary_recompute", "boundary_recompute@40")
     report = tiny_orchestrator.submit(evaluate(
-        tiny_orchestrator.aio, items, max_tokens=4, errors=errors, progress=False)).result()
+        tiny_orchestrator.aio, items, modes, max_tokens=4, errors=errors, progress=False,
+        concurrency=2)).result()
     assert [e["line"] for e in report["errors"]] == [1, 2]
     summary = report["summary"]
-    assert summary["n"] == 3 and set(summary["modes"]) == {"prefix", "block_attention",
-                                                           "boundary_recompute"}
+    assert summary["n"] == 3 and set(summary["modes"]) == set(modes)
     for m in summary["modes"].values():
         for key in ("kl_mean", "kl_p95", "top1_agreement", "exact_match_full", "em", "f1",
                     "em_minus_full", "f1_minus_full", "ttft_p50_ms", "hit_rate", "p_rest_mean"):
@@ -127,7 +128,9 @@ def test_small_real_run_has_every_field(tiny_orchestrator, tmp_path: Path, seed)
     # prefix with span opt-in vs full attention on the stock path: the same computation
     assert summary["modes"]["prefix"]["kl_mean"]["mean"] < 1e-4
     assert summary["modes"]["prefix"]["top1_agreement"]["mean"] == 1.0
-    assert "boundary_recompute_minus_block_attention" in summary["comparisons"]
+    assert {"boundary_recompute_minus_block_attention",
+            "boundary_recompute@40_minus_block_attention"} <= set(summary["comparisons"])
+    assert [r["id"] for r in report["items"]] == ["r0", "r1", "r2"]  # item order kept
     assert report["verdict"]
     for record in report["items"]:
         assert set(record["modes"]) == set(summary["modes"])

@@ -136,7 +136,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                         "a JSONL of {question, documents, answer?, system?} (default builtin)")
     p.add_argument("--n", type=int, default=300, help="items (built-in data; default 300)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"comma-separated (default {','.join(DEFAULT_MODES)})")
+                   help=f"comma-separated (default {','.join(DEFAULT_MODES)}); "
+                        f"boundary_recompute@TOKENS sets its head length (default one block)")
     p.add_argument("--passages", default="3-8",
                    help="documents per built-in item, MIN-MAX (default 3-8)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
@@ -152,13 +153,16 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prompt_builder import Mode
+    from minipic.eval.runner import parse_mode
 
     modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - {m.value for m in Mode}
-    if unknown or not modes:
-        print(f"minipic eval: unknown modes {sorted(unknown)}; choose from "
-              f"{[m.value for m in Mode]}")
+    try:
+        for spec in modes:
+            parse_mode(spec)
+        if not modes:
+            raise ValueError("--modes is empty")
+    except ValueError as exc:
+        print(f"minipic eval: {exc}")
         return 2
     try:
         low, high = (int(x) for x in args.passages.split("-"))

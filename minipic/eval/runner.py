@@ -44,14 +44,57 @@ async def _teacher_forced(backend: Any, prompt: list[int], answer: list[int], k:
     return out
 
 
+def parse_mode(spec: str) -> tuple[str, int | None]:
+    """``"boundary_recompute@63"`` -> ``("boundary_recompute", 63)``: the head length (tokens
+    recomputed in context at each span's start; default one block minus its marker)."""
+    from prompt_builder import Mode
+
+    mode, _, head = spec.partition("@")
+    if mode not in {m.value for m in Mode}:
+        raise ValueError(f"unknown mode {mode!r}; known: {[m.value for m in Mode]}")
+    if not head:
+        return mode, None
+    if mode != "boundary_recompute" or not head.isdigit() or int(head) < 1:
+        raise ValueError(f"{spec!r}: a head length applies to boundary_recompute only, as "
+                         f"boundary_recompute@TOKENS with TOKENS >= 1")
+    return mode, int(head)
+
+
+def _build(orc: Any, item: EvalItem, spec: str, max_tokens: int) -> Any:
+    """The item's prompt in ``spec``: ``Orchestrator.build``'s call, plus the head length."""
+    from orchestrator.errors import from_build_error
+    from prompt_builder import PromptBuildError
+
+    mode, head = parse_mode(spec)
+    try:
+        return orc.builder.build(question=item.question, system=item.system,
+                                 spans=list(item.documents), mode=mode, recompute_tokens=head,
+                                 max_tokens=max_tokens)
+    except PromptBuildError as exc:
+        raise from_build_error(exc) from exc
+
+
+async def _answer(orc: Any, item: EvalItem, prompt: Any, spec: str, max_tokens: int) -> Any:
+    """Free-running greedy answer through the SDK's scheduler (spans prefilled, then the
+    final); each mode warms its own spans (its own cache salt)."""
+    from orchestrator.backends import Sampling
+    from orchestrator.errors import MinipicError
+    from orchestrator.scheduler import Job
+
+    job = Job(0, item.question, prompt, Sampling(max_tokens=max_tokens), f"eval-{spec}")
+    (result,) = await orc.scheduler.run([job])
+    if isinstance(result, MinipicError):
+        raise result
+    return result
+
+
 async def evaluate_item(orc: Any, item: EvalItem, modes: Sequence[str], *, max_tokens: int,
                         k: int) -> dict[str, Any]:
     backend = orc.backend
-    full = await orc.answer(item.question, item.documents, item.system, "prefix",
-                            max_tokens=max_tokens, cache_salt="eval-full")
+    full_prompt = _build(orc, item, "prefix", max_tokens).prompt_token_ids
+    full = await _answer(orc, item, _build(orc, item, "prefix", max_tokens), "full",
+                         max_tokens)
     answer_ids = list(full.token_ids) or [orc.builder.tokenizer.eos_token_id]
-    full_prompt = orc.build(item.question, item.documents, item.system, "prefix",
-                            max_tokens=max_tokens).prompt_token_ids
     reference = await _teacher_forced(backend, full_prompt, answer_ids, k, spans=False)
     record: dict[str, Any] = {
         "id": item.id, "source": item.source, "question": item.question,
@@ -64,11 +107,10 @@ async def evaluate_item(orc: Any, item: EvalItem, modes: Sequence[str], *, max_t
         record["full"].update(em=metrics.exact_match(full.text, item.answer),
                               f1=metrics.f1(full.text, item.answer))
     for mode in modes:
-        got = await orc.answer(item.question, item.documents, item.system, mode,
-                               max_tokens=max_tokens, cache_salt=f"eval-{mode}")
-        prompt = orc.build(item.question, item.documents, item.system, mode,
-                           max_tokens=max_tokens).prompt_token_ids
-        forced = await _teacher_forced(backend, prompt, answer_ids, k, spans=True)
+        built = _build(orc, item, mode, max_tokens)
+        got = await _answer(orc, item, built, mode, max_tokens)
+        forced = await _teacher_forced(backend, built.prompt_token_ids, answer_ids, k,
+                                       spans=True)
         kls, rests, agree = [], [], []
         for p, q in zip(reference, forced, strict=True):
             kl, rest = metrics.kl_topk(p, q)
@@ -129,8 +171,10 @@ def summarize(records: list[dict[str, Any]], modes: Sequence[str], *, resamples:
             summary["f1_minus_full"] = ci([row["f1"] - r["full"]["f1"]
                                            for row, r in zip(rows, records, strict=True)])
         out["modes"][mode] = summary
-    for a, b in (("boundary_recompute", "block_attention"), ("prefix", "block_attention")):
-        if a in modes and b in modes:
+    pairs = [(a, "block_attention") for a in modes
+             if a.startswith("boundary_recompute") or a == "prefix"]
+    for a, b in pairs:
+        if b in modes:
             ra = [r["modes"][a] for r in records]
             rb = [r["modes"][b] for r in records]
             out["comparisons"][f"{a}_minus_{b}"] = {
