@@ -138,8 +138,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated (default {','.join(DEFAULT_MODES)}); "
                         f"boundary_recompute@TOKENS sets its head length (default one block)")
-    p.add_argument("--passages", default="3-8",
-                   help="documents per built-in item, MIN-MAX (default 3-8)")
+    p.add_argument("--passages", default="3-10",
+                   help="documents per built-in item, MIN-MAX (default 3-10)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
     p.add_argument("--url", help="a running `minipic serve` (default: an embedded engine)")
     p.add_argument("--model", default=None, help="embedded model (default SmolLM2-135M)")

@@ -11,7 +11,7 @@ Built-in (``--data builtin``: fanoutqa first, then BIG-bench up to ``--n``):
   package itself does not install (it declares a direct-URL dependency PyPI refuses).
 
 Each item gets its gold passage plus distractors (BM25 neighbours of the question in the offline
-corpus: passages that look relevant), 3-8 passages in all by default, shuffled, each cut to
+corpus: passages that look relevant), 3-10 passages in all by default, shuffled, each cut to
 ``max_words`` so that prompts fit the default 2048-token engines.
 
 ``--data FILE.jsonl``: one ``{"question", "documents", "answer"?, "system"?}`` object per line.
@@ -189,7 +189,7 @@ def cpkc_items(rng: random.Random, corpus: Any, n: int, passages: tuple[int, int
     return out
 
 
-def builtin_items(name: str, n: int, seed: int, passages: tuple[int, int] = (3, 8),
+def builtin_items(name: str, n: int, seed: int, passages: tuple[int, int] = (3, 10),
                   max_words: int = 80) -> list[EvalItem]:
     """``name``: builtin (fanoutqa, then cpkc up to n), fanoutqa, or cpkc."""
     from orchestrator.corpus import default_corpus
