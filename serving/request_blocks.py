@@ -153,7 +153,8 @@ class RequestBlockHasher:
         if self._tokenizer_path is None:
             return []
         try:
-            return [layout(self._layout_builder, parse(route, body)).prompt_token_ids]  # type: ignore[arg-type]
+            request = parse(route, body)  # type: ignore[arg-type]
+            return [layout(self._layout_builder, request).prompt_token_ids]
         except Exception:  # a bad body is the replica's to report, not the router's
             return []
 

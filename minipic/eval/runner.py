@@ -91,9 +91,9 @@ async def _answer(orc: Any, item: EvalItem, prompt: Any, spec: str, max_tokens: 
 async def evaluate_item(orc: Any, item: EvalItem, modes: Sequence[str], *, max_tokens: int,
                         k: int) -> dict[str, Any]:
     backend = orc.backend
-    full_prompt = _build(orc, item, "prefix", max_tokens).prompt_token_ids
-    full = await _answer(orc, item, _build(orc, item, "prefix", max_tokens), "full",
-                         max_tokens)
+    full_built = _build(orc, item, "prefix", max_tokens)
+    full_prompt = full_built.prompt_token_ids
+    full = await _answer(orc, item, full_built, "full", max_tokens)
     answer_ids = list(full.token_ids) or [orc.builder.tokenizer.eos_token_id]
     reference = await _teacher_forced(backend, full_prompt, answer_ids, k, spans=False)
     record: dict[str, Any] = {

@@ -176,10 +176,14 @@ class DocumentsMiddleware:
             raw = await _read_body(receive)
         except ConnectionError:
             return
-        try:
-            body = json.loads(raw) if raw else None
-        except (ValueError, UnicodeDecodeError):
-            body = None  # not JSON: vLLM's own 400 for it
+        body = None
+        # only a body naming one of the two fields can ask for documents: plain requests skip
+        # the JSON parse (vLLM parses them again anyway)
+        if raw and (b'"' + DOCUMENTS_KEY.encode() in raw or b'"' + MINIPIC_KEY.encode() in raw):
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                body = None  # not JSON: vLLM's own 400 for it
         if not wants_documents(route, body):
             await self.app(scope, _replay(raw, receive), send)
             return
