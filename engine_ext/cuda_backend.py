@@ -21,6 +21,8 @@ Triton's interpreter (``tests/test_position_free.py``); it has not run on a GPU 
 engine yet.
 Span isolation: the builder asks ``engine_ext.span_isolation`` for each query token's first
 visible key (``key_start``, one host computation per step) and the kernel masks keys before it.
+A request whose step computes several holes (``engine_ext/hole_positions.py``) becomes one kernel
+row per hole (:func:`hole_rows`), each ending at its hole's last token.
 
 Compilation and CUDA graphs. torch.compile is safe: minipic's settings and a hash of its engine
 code travel in vLLM's ``additional_config``, which is part of vLLM's compile-cache key
@@ -104,23 +106,45 @@ class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
         cm = common_attn_metadata
         if not isinstance(cm.causal, bool):
             raise NotImplementedError("minipic CUSTOM backend: per-request causality")
-        from engine_ext.span_isolation import step_key_starts
+        from engine_ext.span_isolation import step_key_starts, step_positions
 
         # Span isolation needs host copies of the step's lengths (one sync per step, shared by
         # all layers); the result goes to the device once.
-        key_start = step_key_starts(cm.query_start_loc_cpu[: cm.num_reqs + 1],
-                                    cm.seq_lens[: cm.num_reqs].cpu(),
-                                    self.kv_cache_spec.block_size)
+        qsl_cpu = cm.query_start_loc_cpu[: cm.num_reqs + 1]
+        seq_lens_cpu = cm.seq_lens[: cm.num_reqs].cpu()
+        key_start = step_key_starts(qsl_cpu, seq_lens_cpu, self.kv_cache_spec.block_size)
+        query_start_loc = cm.query_start_loc[: cm.num_reqs + 1]
+        seq_lens = cm.seq_lens[: cm.num_reqs]
+        block_table = cm.block_table_tensor[: cm.num_reqs]
+        max_query_len = cm.max_query_len
+        positions = step_positions(qsl_cpu, seq_lens_cpu)
+        if positions is not None:  # several holes of a request: one kernel row per hole
+            query_start_loc, seq_lens, block_table, max_query_len = hole_rows(
+                qsl_cpu, positions, block_table, query_start_loc.dtype, seq_lens.dtype)
         return MinipicCudaMetadata(
             num_actual_tokens=cm.num_actual_tokens,
-            max_query_len=cm.max_query_len,
-            query_start_loc=cm.query_start_loc[: cm.num_reqs + 1],
-            seq_lens=cm.seq_lens[: cm.num_reqs],
+            max_query_len=max_query_len,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
             key_start=None if key_start is None else key_start.to(self.device),
-            block_table=cm.block_table_tensor[: cm.num_reqs],
+            block_table=block_table,
             slot_mapping=cm.slot_mapping,
             causal=cm.causal,
         )
+
+
+def hole_rows(qsl_cpu: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+              qsl_dtype: torch.dtype, lens_dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Kernel rows of a step in which some request computes several holes: one row per hole
+    (``engine_ext/step_plan.gap_rows``), each with its request's table, on the table's device.
+    Returns ``(query_start_loc, seq_lens, block_table, max_query_len)``."""
+    from engine_ext.step_plan import gap_rows
+
+    row_qsl, row_lens, rows_of = gap_rows(qsl_cpu, positions)
+    device = block_table.device
+    return (row_qsl.to(device, dtype=qsl_dtype), row_lens.to(device, dtype=lens_dtype),
+            block_table[rows_of.to(device)], int((row_qsl[1:] - row_qsl[:-1]).max()))
 
 
 class MinipicCudaAttentionImpl(AttentionImpl[MinipicCudaMetadata]):

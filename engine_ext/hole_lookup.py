@@ -27,21 +27,36 @@ block computed at another offset is the same block. Hence a hit is valid whereve
    computes). Those blocks are *pinned* at once (reference count + 1, so nothing evicts them
    before they are used) and kept on the request as runs ``(first block, blocks)``.
 2. Chunking (``Scheduler._reserve_prefill_lookahead``, the last clip before allocation on both
-   the waiting and the running path): a chunk that would run into the next cached run stops at
-   its first block. So each step computes one hole.
+   the waiting and the running path): the chunk takes every hole that fits the token budget,
+   skipping the cached runs between them (``engine_ext/hole_steps.py`` plans, allocates and
+   settles such a step; the worker side is ``engine_ext/hole_positions.py``). A chunk with one
+   hole stops where the next cached run begins.
 3. Jump (start of ``Scheduler.schedule``): a running request whose computed prefix has reached
    a cached run gets the run's blocks appended to its block list (already pinned: the pin becomes
    the request's reference), its ``num_computed_tokens`` advanced over them, and its prefill
    stats' cached tokens increased — so ``num_cached_tokens`` / HTTP ``cached_tokens`` count every
    reused token. The blocks reach the worker as "new blocks" of that request in the next
    ``allocate_slots`` (``KVCacheManager.allocate_slots``), in table order, before the chunk's
-   own new blocks.
+   own new blocks. Runs between the holes of one step are attached the same way, at allocation.
 4. ``KVCacheManager.free`` (finish, abort, preemption) unpins whatever was not attached yet.
 
-**Cost.** A prompt with ``h`` holes after its leading hit takes ``h`` engine steps of prefill
-instead of one; the other requests of the batch run in those steps as usual (continuous batching),
-and each step computes only its hole. A prompt whose spans are all warm has one hole (the
-question) and runs exactly as before.
+**The second invariant we bend: one contiguous window per request row.** vLLM's model runner
+computes a request's step as the tokens ``num_computed_tokens ..`` + ``num_scheduled_tokens``,
+with one logits row (its last token). A step with several holes tells the worker
+``num_computed_tokens = C + A`` (``C`` computed before the step, ``A`` tokens of the runs
+attached between its holes) and ``N`` scheduled tokens, so the sequence length ``C + A + N`` is
+the last hole's end, and it sends the holes themselves on the scheduler output. The worker
+(``engine_ext/hole_positions.py``) gives each hole token its true position (so its input id, its
+slot and its rotation are those of that position); attention runs one kernel row per hole
+(``engine_ext/step_plan.py``), each reading keys up to its own last token, so every hole token
+attends to exactly what it would in a one-hole-per-step schedule; the last scheduled token is the
+prompt's last token when the step ends the prompt. Correct for the same reason as above: every
+block a hole reads is either computed earlier in this very step (all layers write the step's
+keys before attending) or a cached block whose hash names its KV.
+
+**Cost.** A prompt's holes take one engine step while they fit the chunk budget
+(``ceil(hole tokens / budget)`` steps otherwise); a prompt whose spans are all warm has one hole
+(the question) and runs exactly as before.
 
 **Span store** (``engine_ext/span_store``, a KV connector): when configured, the lookup first
 asks it for the request's span blocks that miss the pool; blocks it holds are filled into fresh
@@ -60,6 +75,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_ext import hole_positions, hole_steps
+from span_contract.errors import EngineIntegrationError
 from span_contract.span_config import spans_opted_in
 
 logger = logging.getLogger("vllm.minipic.hole_lookup")
@@ -76,6 +93,7 @@ class CachedRuns:
     runs: list[tuple[int, list[Any]]]  # (first block index, blocks), ascending, disjoint
     to_deliver: list[Any] = field(default_factory=list)  # attached, not yet sent to the worker
     attached_tokens: int = 0
+    step: hole_steps.StepHoles | None = None  # this step's holes, when it computes several
 
     def next_start(self, after_token: int, block_size: int) -> int | None:
         """First token of the first run that starts after ``after_token``."""
@@ -213,15 +231,35 @@ def _wrap_get_computed_blocks(stock: Any) -> Any:
 
 def _wrap_allocate_slots(stock: Any) -> Any:
     @functools.wraps(stock)
-    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        new_blocks = stock(self, request, *args, **kwargs)
+    def allocate_slots(self: Any, request: Any, num_new_tokens: int, *args: Any,
+                       **kwargs: Any) -> Any:
         pending: CachedRuns | None = request.__dict__.get(PENDING_ATTR)
-        if new_blocks is None or pending is None or not pending.to_deliver:
+        plan = pending.step if pending is not None else None
+        added: list[Any] = []
+        if plan is not None and not plan.realized:
+            new_computed = kwargs.get("num_new_computed_tokens", args[0] if args else 0)
+            external = kwargs.get("num_external_computed_tokens",
+                                  args[3] if len(args) > 3 else 0)
+            computed = request.num_computed_tokens + new_computed + external
+            if computed != plan.computed or num_new_tokens != plan.tokens:
+                raise EngineIntegrationError(
+                    f"minipic: request {request.request_id} was planned {plan.tokens} hole "
+                    f"tokens from token {plan.computed} but allocation asks {num_new_tokens} "
+                    f"from {computed} (the scheduler changed the chunk after its last clip)")
+            first_start, first_end = plan.holes[0]
+            new_blocks = stock(self, request, first_end - first_start, *args, **kwargs)
+            if new_blocks is None:
+                return None  # vLLM preempts or waits, then allocates again with this plan
+            manager = _single_full_attention_manager(self)
+            added = hole_steps.allocate_later_holes(self, request, manager, pending, plan)
+        else:
+            new_blocks = stock(self, request, num_new_tokens, *args, **kwargs)
+        if new_blocks is None or pending is None or not (pending.to_deliver or added):
             return new_blocks
-        # The worker appends a running request's new block ids to its table: the attached
-        # blocks come first (they precede the chunk's freshly allocated ones).
+        # The worker appends a running request's new block ids to its table: blocks attached
+        # by the jump come first, then the first hole's, then each run and hole after it.
         groups = new_blocks.blocks
-        merged = (pending.to_deliver + list(groups[0]), *groups[1:])
+        merged = (pending.to_deliver + list(groups[0]) + added, *groups[1:])
         pending.to_deliver = []
         return self.create_kv_cache_blocks(merged)
 
@@ -256,6 +294,13 @@ def _wrap_reserve_prefill_lookahead(stock: Any) -> Any:
         pending: CachedRuns | None = request.__dict__.get(PENDING_ATTR)
         if pending is None or not pending.runs or num_new_tokens <= 0:
             return num_new_tokens
+        pending.step = None
+        if not self.num_lookahead_tokens:  # spec decode's slots: one hole per step
+            holes = hole_steps.plan_holes(pending.runs, num_computed_tokens, num_new_tokens,
+                                          request.num_tokens, self.block_size)
+            if len(holes) > 1:
+                pending.step = hole_steps.StepHoles(computed=num_computed_tokens, holes=holes)
+                return pending.step.tokens
         stop = pending.next_start(num_computed_tokens, self.block_size)
         if stop is not None and stop < num_computed_tokens + num_new_tokens:
             return stop - num_computed_tokens  # end this chunk where the cached run begins
@@ -264,9 +309,19 @@ def _wrap_reserve_prefill_lookahead(stock: Any) -> Any:
     return _reserve_prefill_lookahead
 
 
+def _wrap_update_after_schedule(stock: Any) -> Any:
+    @functools.wraps(stock)
+    def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
+        hole_steps.settle(self, scheduler_output, lambda r: r.__dict__.get(PENDING_ATTR))
+        stock(self, scheduler_output)
+
+    return _update_after_schedule
+
+
 def install() -> None:
-    """Wrap the five vLLM methods listed in the module docstring (EngineCore; idempotent;
-    checked against the patch table, ``engine_ext/patches.py``)."""
+    """Wrap the vLLM methods listed in the module docstring: the scheduler's here, the model
+    runner's in ``engine_ext/hole_positions.py`` (EngineCore and workers; idempotent; checked
+    against the patch table, ``engine_ext/patches.py``)."""
     from engine_ext import patches
 
     kvm = "vllm.v1.core.kv_cache_manager:KVCacheManager"
@@ -274,10 +329,13 @@ def install() -> None:
     from engine_ext.span_store import stats as span_store_stats
 
     span_store_stats.install()  # the span store's counters (a KV connector, if configured)
+    hole_steps.install_stats()  # engine steps per prompt
     patches.apply("holes", {
+        **hole_positions.factories(),
         f"{kvm}.get_computed_blocks": _wrap_get_computed_blocks,
         f"{kvm}.allocate_slots": _wrap_allocate_slots,
         f"{kvm}.free": _wrap_free,
         f"{sched}.schedule": _wrap_schedule,
         f"{sched}._reserve_prefill_lookahead": _wrap_reserve_prefill_lookahead,
+        f"{sched}._update_after_schedule": _wrap_update_after_schedule,
     })

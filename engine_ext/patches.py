@@ -92,6 +92,7 @@ def _minor(version: str) -> tuple[int, int]:
 _SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
 _KVM = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 _MAMBA = "vllm.v1.core.single_type_kv_cache_manager:MambaManager"
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 
 # vLLM 0.33: the hasher factory takes the drafter's lookahead (EngineCore passes it by position),
 # and the lookup takes an upper bound on the hit (the scheduler always passes it)
@@ -132,7 +133,20 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                "scheduler plugins, for a two-line hook"),
     PatchPoint("holes", f"{_SCHED}._reserve_prefill_lookahead",
                ("self", "request", "num_computed_tokens", "num_new_tokens"),
-               "the last chunk clip before allocation on both scheduling paths"),
+               "the last chunk clip before allocation on both scheduling paths: where a step "
+               "takes every hole that fits its budget (engine_ext/hole_steps.py)"),
+    PatchPoint("holes", f"{_SCHED}._update_after_schedule", ("self", "scheduler_output"),
+               "a step with several holes advances a request over the runs between them, and "
+               "its worker must learn the holes, before vLLM advances it by the scheduled "
+               "tokens (both scheduling paths end here; async scheduling's placeholders follow)"),
+    PatchPoint("holes", f"{_RUNNER}._prepare_inputs", ("self", "scheduler_output",
+                                                       "num_scheduled_tokens"),
+               "the runner computes one contiguous window per request; the holes of a step "
+               "reach it on the scheduler output (engine_ext/hole_positions.py)"),
+    PatchPoint("holes", f"{_RUNNER}._get_cumsum_and_arange",
+               ("self", "num_tokens", "arange_out", "cumsum_dtype"),
+               "the one place every per-token value of a step (input id, model position, slot) "
+               "is derived from: a holed request's tokens get their hole positions there"),
     # -- rope: position-free attention + span isolation + the rotated pool, worker
     PatchPoint("rope", "vllm.model_executor.model_loader.base_loader:initialize_model",
                ("vllm_config", "prefix", "model_class", "model_config"),

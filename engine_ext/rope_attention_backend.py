@@ -145,7 +145,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from engine_ext import cpu_kv_layout  # noqa: E402
 from engine_ext.rotated_pool import RotatedBlocks, pool_cap_entries  # noqa: E402
-from engine_ext.span_isolation import step_key_starts  # noqa: E402
+from engine_ext.span_isolation import step_key_starts, step_positions  # noqa: E402
 from engine_ext.step_plan import (  # noqa: E402
     HomeSlots,
     OffHomeBatch,
@@ -257,6 +257,7 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             None if self.path == "torch" else functools.partial(self._schedule, md.causal),
             self.rotated,
             key_start=step_key_starts(query_start_loc, seq_lens, self.block_size),
+            positions=step_positions(query_start_loc, seq_lens),
         )
         md.plan = plan
         return md

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_ext import hole_positions
 from engine_ext.span_segments import block_key_starts
 from span_contract.errors import EngineIntegrationError
 from span_contract.span_config import SpanConfig, spans_opted_in
@@ -74,6 +75,15 @@ def expect_isolated_step() -> Iterator[IsolatedStep]:
         _STEP.expected = previous
 
 
+def step_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor
+                   ) -> torch.Tensor | None:
+    """Logical positions of the step being built when a request of it computes several holes
+    (``engine_ext/hole_positions.py``), else None (every row is one window ending at its
+    ``seq_len``). Outside the hook (profiling runs): None."""
+    return hole_positions.step_positions(getattr(_STEP, "runner", None), query_start_loc,
+                                         seq_lens)
+
+
 def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_size: int) -> torch.Tensor | None:
     """``key_start`` per query token of the step being built (int64), or None if no token of
@@ -99,6 +109,7 @@ def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     out: torch.Tensor | None = None
+    holed = hole_positions.step_positions(runner, query_start_loc, seq_lens)
     for row, seq_len in enumerate(lens):
         if row >= len(req_ids) or req_ids[row] is None:
             continue
@@ -112,7 +123,8 @@ def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         if not (firsts == config.ssep_id).any():
             continue
         starts = block_key_starts(firsts, config.ssep_id, config.pdep_id, block_size)
-        positions = np.arange(seq_len - q_len, seq_len)
+        positions = (np.arange(seq_len - q_len, seq_len) if holed is None
+                     else holed[qsl[row]:qsl[row + 1]].numpy())
         token_starts = starts[positions // block_size]
         if not token_starts.any():
             continue

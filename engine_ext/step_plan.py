@@ -163,7 +163,8 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
               block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
               path: str, scheduler_metadata: ScheduleFn | None,
               rotated: RotatedBlocks | None = None,
-              key_start: torch.Tensor | None = None) -> StepPlan:
+              key_start: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None) -> StepPlan:
     """Positions, home-slot bookkeeping and the off-home sub-batch of one step.
 
     ``query_start_loc`` / ``seq_lens`` / ``block_table`` cover exactly the step's requests and
@@ -175,6 +176,11 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     ``key_start`` becomes its own kernel row whose table starts at that key's block
     (:func:`_isolated_rows`); RoPE is relative and keys are rotated by their true slot, so
     the shifted row computes exactly the masked attention.
+
+    ``positions``: the logical position of every token when some request's step computes
+    several holes (``engine_ext/hole_positions.py``; None: each request is one window ending at
+    its ``seq_len``). Rows are then also split where positions jump, one per hole, each reading
+    keys up to its own last token.
     """
     num_reqs = seq_lens.numel()
     num_tokens = slot_mapping.numel()
@@ -182,9 +188,13 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     lens = seq_lens.long()
     q_lens = qsl[1:] - qsl[:-1]
     # Logical position of each new token: seq_len - query_len + t (DESIGN.md section 1).
-    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens,
-                                           output_size=num_tokens)
-    positions = (lens - q_lens - qsl[:-1])[req_of_token] + torch.arange(num_tokens)
+    gapped = positions is not None
+    if positions is None:
+        req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens,
+                                               output_size=num_tokens)
+        positions = (lens - q_lens - qsl[:-1])[req_of_token] + torch.arange(num_tokens)
+    else:
+        positions = positions.long()
     slots = slot_mapping.long()
     write_rows, write_positions = None, positions
     if bool((slots < 0).any()):  # tokens without a cache slot are not stored
@@ -196,9 +206,14 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     if rotated.by_block:  # an empty pool has nothing to invalidate (every PIC-off step)
         rotated.invalidate(blocks.unique().tolist())
     offset = None
-    if key_start is not None and path != "torch":
+    if (key_start is not None or gapped) and path != "torch":
+        starts = key_start if key_start is not None else torch.zeros(num_tokens,
+                                                                     dtype=torch.int64)
         qsl, lens, block_table, offset = _isolated_rows(qsl, lens, block_table, positions,
-                                                        key_start, block_size)
+                                                        starts, block_size)
+    elif gapped:  # the torch reference masks key_start itself: rows split at gaps only
+        qsl, lens, rows_of = gap_rows(qsl, positions)
+        lens, block_table = lens.long(), block_table[rows_of]
     if path == "auto":
         off = home.requests_off_home(block_table, lens, block_size, offset)
     else:
@@ -265,7 +280,8 @@ def _isolated_rows(qsl: torch.Tensor, seq_lens: torch.Tensor, block_table: torch
     req_of_token = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens,
                                            output_size=num_tokens)
     first = torch.ones(num_tokens, dtype=torch.bool)
-    first[1:] = (req_of_token[1:] != req_of_token[:-1]) | (key_start[1:] != key_start[:-1])
+    first[1:] = ((req_of_token[1:] != req_of_token[:-1]) | (key_start[1:] != key_start[:-1])
+                 | (positions[1:] != positions[:-1] + 1))  # a new hole of a request
     starts = first.nonzero().flatten()
     row_qsl = torch.cat([starts, torch.tensor([num_tokens])])
     row_req = req_of_token[starts]
@@ -276,6 +292,24 @@ def _isolated_rows(qsl: torch.Tensor, seq_lens: torch.Tensor, block_table: torch
     cols = (offset.unsqueeze(1) + torch.arange(width)).clamp(max=block_table.shape[1] - 1)
     table = torch.gather(block_table[row_req].long(), 1, cols).to(block_table.dtype)
     return row_qsl, row_lens, table, offset
+
+
+def gap_rows(qsl: torch.Tensor, positions: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One kernel row per run of consecutive positions of a request (its holes), in token
+    order, for kernels that read a row's keys from its table's column 0 on (the torch
+    reference, the Triton kernel): ``(row query_start_loc, row seq_lens, request of each row)``.
+    A row's length is its last position + 1, so its queries are the last of its keys."""
+    num_tokens = positions.numel()
+    q_lens = (qsl[1:] - qsl[:-1]).long()
+    req_of_token = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens,
+                                           output_size=num_tokens)
+    first = torch.ones(num_tokens, dtype=torch.bool)
+    first[1:] = (req_of_token[1:] != req_of_token[:-1]) | (positions[1:] != positions[:-1] + 1)
+    starts = first.nonzero().flatten()
+    row_qsl = torch.cat([starts, torch.tensor([num_tokens])]).to(qsl.dtype)
+    row_lens = (positions[row_qsl[1:].long() - 1] + 1).to(torch.int32)
+    return row_qsl, row_lens, req_of_token[starts]
 
 
 def _sub_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
