@@ -154,10 +154,12 @@ def _unpin_runs(kv_cache_manager: Any, pending: CachedRuns) -> None:
         kv_cache_manager.block_pool.free_blocks(reversed(blocks))
 
 
-def _release(kv_cache_manager: Any, request: Any) -> None:
+def _release(kv_cache_manager: Any, request: Any, freeing: bool = False) -> None:
     """Unpin the runs a request holds but has not attached (its own blocks are freed by vLLM)."""
     pending: CachedRuns | None = request.__dict__.pop(PENDING_ATTR, None)
     if pending is not None:
+        if freeing:
+            hole_steps.PREFILL_STEPS.freed(request, pending)
         _unpin_runs(kv_cache_manager, pending)
 
 
@@ -269,7 +271,7 @@ def _wrap_allocate_slots(stock: Any) -> Any:
 def _wrap_free(stock: Any) -> Any:
     @functools.wraps(stock)
     def free(self: Any, request: Any) -> None:
-        _release(self, request)
+        _release(self, request, freeing=True)
         stock(self, request)
 
     return free

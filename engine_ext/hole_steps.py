@@ -153,6 +153,20 @@ class PrefillSteps:
         self.lock = threading.Lock()
         self.histogram: collections.Counter[int] = collections.Counter()
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
+        self.freed_mid_holes: collections.Counter[str] = collections.Counter()
+        self.multi_hole_steps = 0  # engine steps in which some request computed >1 hole
+        self.shared_multi_hole_steps = 0  # ... together with other requests' tokens
+
+    def freed(self, request: Any, pending: Any) -> None:
+        """A request freed while its prompt's holes were not all computed (preempted,
+        aborted): what the leak tests look for."""
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            return
+        if not (pending.runs or pending.attached_tokens):
+            return
+        kind = "preempted" if str(request.status).endswith("RUNNING") else "finished"
+        with self.lock:
+            self.freed_mid_holes[kind] += 1
 
     def record(self, request: Any, steps: int, hole_tokens: int) -> None:
         with self.lock:
@@ -164,7 +178,10 @@ class PrefillSteps:
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             return {"histogram": {str(k): v for k, v in sorted(self.histogram.items())},
-                    "recent": list(self.recent)}
+                    "recent": list(self.recent),
+                    "freed_mid_holes": dict(self.freed_mid_holes),
+                    "multi_hole_steps": self.multi_hole_steps,
+                    "shared_multi_hole_steps": self.shared_multi_hole_steps}
 
 
 PREFILL_STEPS = PrefillSteps()
@@ -189,6 +206,7 @@ def settle(scheduler: Any, output: Any, pending_of: Any) -> None:
                 output.total_num_scheduled_tokens -= count - tokens
                 count = tokens
             if plan.attached:
+                pending.attached_tokens += plan.attached
                 request.num_computed_tokens += plan.attached
                 _shift_output_computed(output, rid, plan.attached)
                 _count_cached(request, plan.attached)
@@ -205,6 +223,9 @@ def settle(scheduler: Any, output: Any, pending_of: Any) -> None:
                 del request.__dict__[STEPS_ATTR]
     if holes_out:
         setattr(output, HOLES_ATTR, holes_out)
+        with PREFILL_STEPS.lock:
+            PREFILL_STEPS.multi_hole_steps += 1
+            PREFILL_STEPS.shared_multi_hole_steps += len(output.num_scheduled_tokens) > 1
 
 
 def _count_cached(request: Any, tokens: int) -> None:
@@ -227,7 +248,17 @@ def step_ranges(request: Any, scheduled: int, pending: Any) -> list[tuple[int, i
 
 
 def _hole_stats(engine_core: Any) -> dict[str, Any]:
-    return PREFILL_STEPS.snapshot()
+    """Step counts, plus the block pool's free count and the opted-in prompts mid-prefill."""
+    scheduler = engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    active = {}
+    for request in scheduler.running:
+        if (request.num_computed_tokens < request.num_prompt_tokens
+                and spans_opted_in(getattr(request, "sampling_params", None))):
+            active[request.request_id] = {"computed": request.num_computed_tokens,
+                                          "prompt": request.num_prompt_tokens}
+    return {**PREFILL_STEPS.snapshot(), "free_blocks": pool.get_num_free_blocks(),
+            "total_blocks": pool.num_gpu_blocks, "active": active}
 
 
 def install_stats() -> None:

@@ -120,3 +120,16 @@ def max_logprob_error(completion: object, prompt_len: int, ref: torch.Tensor) ->
         for token_id, lp in entries.items():
             worst = max(worst, abs(lp.logprob - float(row[token_id])))
     return worst
+
+
+def span_part_runs(built: object) -> list[tuple[int, int, str]]:
+    """``(start, end, part)`` of each span part (head / body / whole) of a ``PromptBuilder``
+    build, the padding after it included (it is isolated with it)."""
+    runs: list[list] = []
+    for seg in built.segments:  # type: ignore[attr-defined]
+        part = getattr(seg, "part", None)
+        if seg.kind == "span" and part in ("head", "body", "whole"):
+            runs.append([seg.start, seg.end, part])
+        elif seg.kind == "pad" and runs and runs[-1][1] == seg.start:
+            runs[-1][1] = seg.end
+    return [(a, b, p) for a, b, p in runs]

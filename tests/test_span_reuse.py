@@ -31,6 +31,7 @@ from pic_reference import (
     build_pic_prompt,
     max_logprob_error,
     random_ordinary_ids,
+    span_part_runs,
 )
 
 from span_contract.span_config import SPANS_OPT_IN_KEY
@@ -150,7 +151,7 @@ def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -
     docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(40, 90))) for _ in range(3)]
     built = builder.build(system="Answer from the documents.", spans=docs,
                           question="Which word comes first?", mode="boundary_recompute")
-    bodies = [(a, b) for a, b, part in _runs(built) if part == "body"]
+    bodies = [(a, b) for a, b, part in span_part_runs(built) if part == "body"]
     assert len(bodies) == 3 and built.leading_cached_tokens < built.expected_cached_tokens
     _prefill(llm, built.span_prefills)
     out = _generate(llm, [built.prompt_token_ids], _params())[0]
@@ -162,18 +163,6 @@ def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -
     ref = tiny_ref.logprobs(full, bodies)
     err = max_logprob_error(out.outputs[0], len(built.prompt_token_ids), ref)
     assert err < REFERENCE_TOL, f"off the two-pass reference by {err:.2e} (seed={seed})"
-
-
-def _runs(built) -> list[tuple[int, int, str]]:
-    """``(start, end, part)`` of each span part (head / body / whole), padding included."""
-    runs: list[list] = []
-    for seg in built.segments:
-        part = getattr(seg, "part", None)
-        if seg.kind == "span" and part in ("head", "body", "whole"):
-            runs.append([seg.start, seg.end, part])
-        elif seg.kind == "pad" and runs and runs[-1][1] == seg.start:
-            runs[-1][1] = seg.end
-    return [(a, b, p) for a, b, p in runs]
 
 
 def test_salted_request_never_hits_another_tenants_span(engines, tiny_ref, seed) -> None:
