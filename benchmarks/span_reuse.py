@@ -1,11 +1,14 @@
 """Partial warmth and cold finals: the engine's lookup past misses vs a prefix-only lookup.
 
-Two engines, one run, same prompts (SmolLM2-135M, fp32, CPU): minipic with the ``holes``
-feature (reuse every cached span, compute only the holes) and minipic without it (``hash,rope``:
-the stock lookup, which stops at the first miss — "today's lookup"). For each:
+Three engines, one run, same prompts (SmolLM2-135M, fp32, CPU): minipic with the ``holes``
+feature (reuse every cached span, compute only the holes, every hole of a prompt in one engine
+step), the same with one hole per engine step (``MINIPIC_HOLES_PER_STEP=one``: the schedule
+before ``engine_ext/hole_steps.py``), and minipic without it (``hash,rope``: the stock lookup,
+which stops at the first miss — "today's lookup"). For each:
 
 * **half warm**: final prompts of ``--spans`` spans of ``--span-tokens`` tokens each, half of the
-  spans prefilled first at random positions; TTFT (one generated token) and cached tokens.
+  spans prefilled first at random positions; TTFT (one generated token), cached tokens, and the
+  engine steps each final took to prefill (the scheduler's count).
 * **cold vs prefilled** (holes engine): the same final prompt sent with no span prefill, then
   after its prefills; TTFT of both and whether the greedy tokens agree (they must: span
   isolation makes the output independent of what was cached).
@@ -52,15 +55,31 @@ def _prompts(seed: int, n: int, n_spans: int, span_tokens: int, config: Any,
     return items
 
 
-def _measure(holes: bool, items: list[dict[str, Any]], max_model_len: int) -> dict[str, Any]:
+CONFIGS = {  # report key -> (features, holes per step)
+    "holes": (("hash", "rope", "holes"), "all"),
+    "holes_one_per_step": (("hash", "rope", "holes"), "one"),
+    "prefix_lookup": (("hash", "rope"), "all"),
+}
+
+
+def _measure(name: str, items: list[dict[str, Any]], max_model_len: int) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from span_contract.engine_config import EngineSettings, build_llm, close_llm
+    from engine_ext.hole_steps import PER_STEP_ENV, STATS_METHOD
+    from engine_ext.recurrent_checkpoints import call_engine
+    from span_contract.engine_config import (
+        EngineSettings,
+        build_llm,
+        close_llm,
+        patched_environ,
+    )
     from span_contract.span_config import SPANS_OPT_IN_KEY
 
-    features = ("hash", "rope", "holes") if holes else ("hash", "rope")
-    llm = build_llm(EngineSettings(max_model_len=max_model_len, features=features))
+    features, per_step = CONFIGS[name]
+    holes = "holes" in features
+    with patched_environ({PER_STEP_ENV: per_step}):
+        llm = build_llm(EngineSettings(max_model_len=max_model_len, features=features))
     one = SamplingParams(max_tokens=1, temperature=0.0, extra_args={SPANS_OPT_IN_KEY: True})
     greedy = SamplingParams(max_tokens=8, temperature=0.0, extra_args={SPANS_OPT_IN_KEY: True})
 
@@ -73,22 +92,25 @@ def _measure(holes: bool, items: list[dict[str, Any]], max_model_len: int) -> di
     try:
         run([items[0]["tokens"]])  # warm-up (allocations, first-step costs)
         llm.reset_prefix_cache()
-        ttft, cached, prompt_tokens = [], [], []
+        ttft, cached, prompt_tokens, steps = [], [], [], []
         for item in items:
             run([item["spans"][i] for i in item["warm"]])
             seconds, (out,) = run([item["tokens"]])
             ttft.append(seconds)
             cached.append(out.num_cached_tokens)
             prompt_tokens.append(len(item["tokens"]))
+            if holes:  # the final is the scheduler's latest finished prefill
+                steps.append(call_engine(llm, STATS_METHOD)["recent"][-1]["steps"])
         result: dict[str, Any] = {
-            "features": list(features),
+            "features": list(features), "holes_per_step": per_step,
             "half_warm": {
                 "ttft_s": ttft, "ttft_p50_s": statistics.median(ttft),
                 "cached_tokens": cached, "prompt_tokens": prompt_tokens,
                 "hit_rate": sum(cached) / sum(prompt_tokens),
+                "prefill_steps": steps or None,
             },
         }
-        if holes:
+        if name == "holes":
             llm.reset_prefix_cache()
             cold_t, warm_t, agree = [], [], []
             for item in items:
@@ -117,16 +139,17 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    holes, stock = report["holes"]["half_warm"], report["prefix_lookup"]["half_warm"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
-    names = ["prefix-only lookup", "lookup past misses"]
-    ax1.bar(names, [stock["ttft_p50_s"] * 1e3, holes["ttft_p50_s"] * 1e3],
-            color=["#999", "#2a7"])
+    rows = [report[k]["half_warm"] for k in ("prefix_lookup", "holes_one_per_step", "holes")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    names = ["prefix-only\nlookup", "past misses,\none hole/step", "past misses,\nall holes/step"]
+    colors = ["#999", "#8bc", "#2a7"]
+    ax1.bar(names, [r["ttft_p50_s"] * 1e3 for r in rows], color=colors)
     ax1.set_ylabel("TTFT p50 (ms)")
-    ax1.set_title("half of the spans warm")
-    ax2.bar(names, [stock["hit_rate"] * 100, holes["hit_rate"] * 100], color=["#999", "#2a7"])
+    ax1.set_title(f"half of the spans warm ({report['ttft_ratio']:.2f}x, "
+                  f"{report['one_step_ratio']:.2f}x)", fontsize=9)
+    ax2.bar(names, [r["hit_rate"] * 100 for r in rows], color=colors)
     ax2.set_ylabel("prompt tokens reused (%)")
-    ax2.set_title(f"TTFT ratio {report['ttft_ratio']:.2f}x")
+    ax2.set_title("cache hits")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -152,18 +175,20 @@ def main() -> None:
     max_len = -(-max_len // 256) * 256
     report: dict[str, Any] = {"seed": seed, "prompts": args.prompts, "spans": args.spans,
                               "span_tokens": args.span_tokens}
-    report["holes"] = _measure(True, items, max_len)
-    report["prefix_lookup"] = _measure(False, items, max_len)
-    report["ttft_ratio"] = (report["prefix_lookup"]["half_warm"]["ttft_p50_s"]
-                            / report["holes"]["half_warm"]["ttft_p50_s"])
+    for name in CONFIGS:
+        report[name] = _measure(name, items, max_len)
+    p50 = {name: report[name]["half_warm"]["ttft_p50_s"] for name in CONFIGS}
+    report["ttft_ratio"] = p50["prefix_lookup"] / p50["holes"]
+    report["one_step_ratio"] = p50["holes_one_per_step"] / p50["holes"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "span_reuse.json").write_text(json.dumps(report, indent=1))
     _plot(report, args.out / "span_reuse.png")
     h, s = report["holes"], report["prefix_lookup"]
     print(json.dumps({
-        "ttft_p50_ms": {"holes": h["half_warm"]["ttft_p50_s"] * 1e3,
-                        "prefix_lookup": s["half_warm"]["ttft_p50_s"] * 1e3},
-        "ttft_ratio": report["ttft_ratio"],
+        "ttft_p50_ms": {name: p50[name] * 1e3 for name in CONFIGS},
+        "ttft_ratio": report["ttft_ratio"], "one_step_ratio": report["one_step_ratio"],
+        "prefill_steps": {name: report[name]["half_warm"]["prefill_steps"]
+                          for name in ("holes", "holes_one_per_step")},
         "hit_rate": {"holes": h["half_warm"]["hit_rate"],
                      "prefix_lookup": s["half_warm"]["hit_rate"]},
         "cold_vs_prefilled": {k: v for k, v in h["cold_vs_prefilled"].items()

@@ -85,6 +85,18 @@ async def _span_store_summary(request: Any) -> dict[str, Any] | None:
     return await core.call_utility_async(STATS_METHOD)
 
 
+async def _prefill_steps_summary(request: Any) -> dict[str, Any] | None:
+    """Engine steps per opted-in prompt (histogram), asked of the EngineCore."""
+    engine = getattr(request.app.state, "engine_client", None)
+    core = getattr(engine, "engine_core", None)
+    if core is None or not hasattr(core, "call_utility_async"):
+        return None
+    from engine_ext.hole_steps import STATS_METHOD
+
+    stats = await core.call_utility_async(STATS_METHOD)
+    return {"histogram": stats["histogram"], "multi_hole_steps": stats["multi_hole_steps"]}
+
+
 class MinipicEndpoints:
     name = "minipic"
     required_tasks = None
@@ -102,6 +114,7 @@ class MinipicEndpoints:
                 config["ckpt"] = await _ckpt_summary(request)
             if "holes" in config["features"]:
                 config["span_store"] = await _span_store_summary(request)
+                config["prefill_steps"] = await _prefill_steps_summary(request)
             return JSONResponse(config)
 
         async def reset_prefix_cache(request: Request) -> JSONResponse:

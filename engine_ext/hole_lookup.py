@@ -81,7 +81,7 @@ from span_contract.span_config import spans_opted_in
 
 logger = logging.getLogger("vllm.minipic.hole_lookup")
 
-PENDING_ATTR = "_minipic_cached_runs"
+PENDING_ATTR = hole_steps.PENDING_ATTR
 STORE_ATTR = "_minipic_span_store"  # the span store's scheduler half (engine_ext/span_store)
 
 
@@ -297,7 +297,8 @@ def _wrap_reserve_prefill_lookahead(stock: Any) -> Any:
         if pending is None or not pending.runs or num_new_tokens <= 0:
             return num_new_tokens
         pending.step = None
-        if not self.num_lookahead_tokens:  # spec decode's slots: one hole per step
+        # spec decode's lookahead slots: one hole per step
+        if not self.num_lookahead_tokens and hole_steps.all_holes_per_step():
             holes = hole_steps.plan_holes(pending.runs, num_computed_tokens, num_new_tokens,
                                           request.num_tokens, self.block_size)
             if len(holes) > 1:
@@ -331,7 +332,7 @@ def install() -> None:
     from engine_ext.span_store import stats as span_store_stats
 
     span_store_stats.install()  # the span store's counters (a KV connector, if configured)
-    hole_steps.install_stats()  # engine steps per prompt
+    hole_steps.install()  # holes per step; engine steps per prompt
     patches.apply("holes", {
         **hole_positions.factories(),
         f"{kvm}.get_computed_blocks": _wrap_get_computed_blocks,

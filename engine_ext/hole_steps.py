@@ -36,6 +36,7 @@ before): speculative decoding's lookahead slots, and a run that starts at the co
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -44,9 +45,19 @@ from span_contract.errors import EngineIntegrationError
 from span_contract.span_config import spans_opted_in
 
 HOLES_ATTR = "minipic_holes"  # SchedulerOutput attribute: {req_id: ((start, length), ...)}
+PENDING_ATTR = "_minipic_cached_runs"  # on a request: hole_lookup.CachedRuns
 STEPS_ATTR = "_minipic_prefill_steps"  # on a request: engine steps that computed its prompt
 STATS_METHOD = "minipic_hole_stats"
 RECENT = 512  # finished prefills kept for the stats utility
+# Measurement switch: "one" restores one hole per engine step (the schedule before this module),
+# so benchmarks can put both side by side in one run; "all" (default) is the product.
+PER_STEP_ENV = "MINIPIC_HOLES_PER_STEP"
+_STATE = {"all_holes": True}
+
+
+def all_holes_per_step() -> bool:
+    """Whether a step takes every hole that fits (read once, at install)."""
+    return _STATE["all_holes"]
 
 
 @dataclass
@@ -237,9 +248,11 @@ def _count_cached(request: Any, tokens: int) -> None:
         stats.num_computed_tokens -= tokens
 
 
-def step_ranges(request: Any, scheduled: int, pending: Any) -> list[tuple[int, int]]:
-    """Token ranges the current step computes for ``request`` (before vLLM advances it): its
-    holes when it has a realized multi-hole plan, else one contiguous chunk."""
+def step_ranges(request: Any, scheduled: int) -> list[tuple[int, int]]:
+    """Token ranges the current step computes for ``request`` (while the scheduler builds the
+    step, before vLLM advances it): its holes when it has a realized multi-hole plan, else one
+    contiguous chunk (what KV connectors must save)."""
+    pending = request.__dict__.get(PENDING_ATTR)
     plan: StepHoles | None = getattr(pending, "step", None) if pending else None
     if plan is not None and plan.realized:
         return list(plan.holes)
@@ -261,8 +274,14 @@ def _hole_stats(engine_core: Any) -> dict[str, Any]:
             "total_blocks": pool.num_gpu_blocks, "active": active}
 
 
-def install_stats() -> None:
-    """Make the step counts an EngineCore utility call (idempotent)."""
+def install() -> None:
+    """Read the per-step switch; make the step counts an EngineCore utility call
+    (idempotent)."""
     from vllm.v1.engine.core import EngineCore
+
+    raw = os.environ.get(PER_STEP_ENV, "all").strip().lower()
+    if raw not in ("all", "one"):
+        raise EngineIntegrationError(f"{PER_STEP_ENV}={raw!r}: expected 'all' or 'one'")
+    _STATE["all_holes"] = raw == "all"
 
     setattr(EngineCore, STATS_METHOD, _hole_stats)

@@ -186,6 +186,16 @@ class EmbeddedBackend:
             return {}
         return replies[0] if replies else {}
 
+    async def prefill_step_stats(self) -> dict[str, Any]:
+        """Engine steps per opted-in prompt, counted by the scheduler
+        (``engine_ext/hole_steps.py``): a histogram and the recent prompts. Empty when the
+        engine runs without the lookup past misses."""
+        self._check_loop()
+        try:  # engine_ext.hole_steps.STATS_METHOD (the engine side sits below this layer)
+            return await self.engine.engine_core.call_utility_async("minipic_hole_stats")
+        except Exception:  # plugin off or no holes feature: the utility does not exist
+            return {}
+
     async def reset_cache(self) -> None:
         self._check_loop()
         if not await self.engine.reset_prefix_cache():

@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_ext.hole_steps import step_ranges
 from engine_ext.span_hashing import span_chained_blocks
 from engine_ext.span_store.keys import entry_key
 from span_contract.span_config import SpanConfig, spans_opted_in
@@ -145,14 +146,17 @@ class StoreLookup:
             request = self.requests.get(rid)
             if request is None:
                 continue
-            done = request.num_computed_tokens  # before this step (vLLM advances it later)
-            end = min((done + count) // bs, len(request.block_hashes),
-                      request.num_prompt_tokens // bs)
-            if end <= done // bs:
+            # before this step (vLLM advances it later); several holes when the step computes
+            # them all (engine_ext/hole_steps.py)
+            ranges = step_ranges(request, count)
+            last = min(len(request.block_hashes), request.num_prompt_tokens // bs)
+            indices = [i for start, stop in ranges
+                       for i in range(start // bs, min(stop // bs, last))]
+            if not indices:
                 continue
             flags = span_chained_blocks(request, bs, self.span_config)
             ids = kv_cache_manager.get_block_ids(rid)[0]
-            for index in range(done // bs, end):
+            for index in indices:
                 if not flags[index] or index >= len(ids):
                     continue
                 key = entry_key(self.fingerprint, request.block_hashes[index])

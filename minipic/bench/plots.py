@@ -71,6 +71,22 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_ylabel("accuracy (gold substring, 95% CI)")
         ax.set_title("Answer quality vs latency per mode")
         save(fig, "accuracy_vs_ttft.png")
+        steps = {name: row["prefill_steps"] for name, row in acc.items()
+                 if row.get("prefill_steps")}
+        if steps:
+            fig, ax = plt.subplots(figsize=(5.5, 3.5))
+            counts = sorted({int(k) for hist in steps.values() for k in hist})
+            width = 0.8 / len(steps)
+            for i, (name, hist) in enumerate(steps.items()):
+                total = sum(hist.values())
+                ax.bar([c + (i - (len(steps) - 1) / 2) * width for c in counts],
+                       [hist.get(str(c), 0) / total for c in counts], width, label=name)
+            ax.set_xticks(counts)
+            ax.set_xlabel("engine steps to prefill one prompt (scheduler count)")
+            ax.set_ylabel("share of prompts")
+            ax.set_title("Prefill steps per prompt (finals and span prefills)")
+            ax.legend(fontsize=8)
+            save(fig, "prefill_steps.png")
 
     if "agent" in report:
         rows = report["agent"]["turns"]

@@ -71,6 +71,13 @@ def _answers(results: Sequence[Any]) -> tuple[list[Any], int]:
     return ok, len(results) - len(ok)
 
 
+def _histogram_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """Prompts per prefill-step count between two ``prefill_step_stats`` snapshots."""
+    old = before.get("histogram", {})
+    return {k: v - old.get(k, 0) for k, v in after.get("histogram", {}).items()
+            if v - old.get(k, 0) > 0}
+
+
 class Bench:
     """Holds the two engines and runs the phases; results accumulate in ``self.report``."""
 
@@ -275,8 +282,10 @@ class Bench:
         for name, (orc, mode) in modes.items():
             self.progress(f"accuracy: {name}")
             await orc.reset_cache()
+            steps_before = await orc.backend.prefill_step_stats()
             results = await orc.answer_many(_questions(items, mode),
                                             max_tokens=ANSWER_TOKENS)
+            steps = _histogram_delta(steps_before, await orc.backend.prefill_step_stats())
             ok, failed = _answers(results)
             correct = sum(is_correct(a.text, it.answer)
                           for a, it in zip(results, items, strict=True) if a in ok)
@@ -285,7 +294,10 @@ class Bench:
                          "failed": failed, "n": len(items),
                          "ttft_p50_s": percentile([a.ttft_s for a in ok], 0.5),
                          "hit_rate": sum(a.cached_tokens for a in ok)
-                         / max(1, sum(a.prompt_tokens for a in ok))}
+                         / max(1, sum(a.prompt_tokens for a in ok)),
+                         # engine steps each opted-in prompt (finals and span prefills) took
+                         # to prefill, counted by the scheduler; empty for stock vLLM
+                         "prefill_steps": steps}
         self.report["accuracy"] = out
 
 
