@@ -62,7 +62,8 @@ keys before attending) or a cached block whose hash names its KV.
 asks it for the request's span blocks that miss the pool; blocks it holds are filled into fresh
 pool blocks and hashed one step later, and the request's next lookup finds them here like any
 cached block (``engine_ext/span_store/scheduler_side.py``). The connector's own contiguous
-"external tokens" are always 0, so nothing else of this module changes.
+"external tokens" are always 0, so nothing else of this module changes; its saves of a step
+with several holes cover exactly the holes (``hole_steps.step_ranges``).
 
 Not covered (stock lookup kept): hybrid models (recurrent state depends on the whole prefix),
 engines with several KV-cache groups, other KV connectors, requests without span opt-in.

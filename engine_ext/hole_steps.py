@@ -221,7 +221,8 @@ def settle(scheduler: Any, output: Any, pending_of: Any) -> None:
                 request.num_computed_tokens += plan.attached
                 _shift_output_computed(output, rid, plan.attached)
                 _count_cached(request, plan.attached)
-            holes_out[rid] = tuple((s, e - s) for s, e in plan.holes)
+            if len(plan.holes) > 1:  # (one hole left: an ordinary contiguous chunk)
+                holes_out[rid] = tuple((s, e - s) for s, e in plan.holes)
         elif plan is not None:
             pending.step = None  # planned, never allocated (not scheduled after all)
         if computed < request.num_prompt_tokens and spans_opted_in(

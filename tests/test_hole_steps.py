@@ -234,3 +234,158 @@ def test_cuda_backend_computes_three_holes_in_one_step(seed: int) -> None:
 
     _holed_scenario(attend, torch.Generator().manual_seed(seed), 2e-5,
                     f"CUSTOM backend, seed={seed}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the scheduler side on vLLM's real KVCacheManager and Request
+
+SMALL = 16  # block size of the manager-level tests (no kernel involved)
+
+
+def _sha(obj: object) -> bytes:
+    import hashlib
+
+    return hashlib.sha256(repr(obj).encode()).digest()
+
+
+def _manager(num_blocks: int):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=SMALL, num_kv_heads=1, head_size=8,
+                             dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    return KVCacheManager(config, max_model_len=1024, scheduler_block_size=SMALL,
+                          hash_block_size=SMALL)
+
+
+def _request(rid: str, tokens: list[int]):
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.request import Request
+
+    from engine_ext.span_hashing import make_span_block_hasher
+    from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
+
+    init_none_hash(_sha)
+    params = SamplingParams(max_tokens=1, extra_args={SPANS_OPT_IN_KEY: True})
+    params.update_from_generation_config({}, None)
+    config = SpanConfig(block_size=SMALL, ssep_id=5, pdep_id=11, pad_id=16)
+    return Request(rid, tokens, params, None,
+                   block_hasher=make_span_block_hasher(SMALL, _sha, config))
+
+
+class _Wrapped:
+    """hole_lookup's wrappers around the unwrapped vLLM methods (whatever this process
+    installed), called on a real ``KVCacheManager``."""
+
+    def __init__(self) -> None:
+        import inspect
+
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        from engine_ext import hole_lookup
+
+        def stock(name: str):
+            return inspect.unwrap(getattr(KVCacheManager, name))
+
+        self.lookup = hole_lookup._wrap_get_computed_blocks(stock("get_computed_blocks"))
+        self.allocate = hole_lookup._wrap_allocate_slots(stock("allocate_slots"))
+        self.free = hole_lookup._wrap_free(stock("free"))
+
+
+def _final_prompt(rng: random.Random) -> tuple[list[int], list[list[int]]]:
+    """[A][B cold][C][D cold, 2 blocks][PDEP question]; returns (prompt, [A, C] alone)."""
+    def span(blocks: int) -> list[int]:
+        return [5] + [rng.randrange(100, 30_000) for _ in range(blocks * SMALL - 1)]
+
+    a, b, c, d = span(1), span(1), span(1), span(2)
+    question = [11] + [rng.randrange(100, 30_000) for _ in range(rng.randrange(3, SMALL))]
+    return a + b + c + d + question, [a, c]
+
+
+def _admit(kvm, wrapped: _Wrapped, request, budget: int):
+    """What the scheduler's waiting path does: lookup, the chunk clip (hole_lookup's plan),
+    allocation. Returns (new blocks, planned tokens)."""
+    from engine_ext import hole_lookup
+    from engine_ext.hole_steps import StepHoles
+
+    blocks, hit, _ = wrapped.lookup(kvm, request)
+    pending = request.__dict__[hole_lookup.PENDING_ATTR]
+    holes = plan_holes(pending.runs, hit, budget, request.num_tokens, SMALL)
+    pending.step = StepHoles(computed=hit, holes=holes)
+    new = wrapped.allocate(kvm, request, pending.step.tokens, num_new_computed_tokens=hit,
+                           new_computed_blocks=blocks)
+    return new, hit, pending
+
+
+def _settle(request, scheduled: int, computed: int):
+    from engine_ext import hole_lookup
+    from engine_ext.hole_steps import HOLES_ATTR, settle
+
+    request.num_computed_tokens = computed  # as the waiting path sets it
+    scheduler = types.SimpleNamespace(requests={request.request_id: request})
+    output = types.SimpleNamespace(
+        num_scheduled_tokens={request.request_id: scheduled},
+        total_num_scheduled_tokens=scheduled,
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=request.request_id,
+                                                  num_computed_tokens=computed)],
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+    settle(scheduler, output, lambda r: r.__dict__.get(hole_lookup.PENDING_ATTR))
+    return output, getattr(output, HOLES_ATTR, None)
+
+
+def test_allocation_keeps_table_order_and_settle_moves_over_the_runs(seed: int) -> None:
+    rng = random.Random(seed)
+    kvm, wrapped = _manager(16), _Wrapped()
+    prompt, alone = _final_prompt(rng)
+    for i, ids in enumerate(alone):  # warm A and C, then release them (cached, evictable)
+        warm = _request(f"warm{i}", ids + [11, 200])
+        wrapped.lookup(kvm, warm)
+        assert wrapped.allocate(kvm, warm, warm.num_tokens) is not None
+        wrapped.free(kvm, warm)
+    idle = kvm.block_pool.get_num_free_blocks()
+    final = _request("final", prompt)
+    new, hit, pending = _admit(kvm, wrapped, final, budget=1000)
+    assert hit == SMALL and pending.step.holes == [(16, 32), (48, len(prompt))]
+    c_block = kvm.block_pool.get_cached_block(final.block_hashes[2], [0])[0]
+    table = kvm.coordinator.single_type_managers[0].req_to_blocks["final"]
+    assert table[2] is c_block and len(table) == -(-len(prompt) // SMALL) == 6
+    # the worker appends these in order after the request's first blocks: B, C, D, D, question
+    assert [b.block_id for b in new.blocks[0]] == [b.block_id for b in table[1:]]
+    assert all(table[i].block_hash is not None for i in range(5))  # every full block hashed
+    output, holes = _settle(final, pending.step.tokens, hit)
+    assert holes == {"final": ((16, 16), (48, len(prompt) - 48))}
+    assert final.num_computed_tokens == 32  # C + A: vLLM then adds the scheduled tokens
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 32
+    assert 32 + output.num_scheduled_tokens["final"] == len(prompt)
+    wrapped.free(kvm, final)
+    assert kvm.block_pool.get_num_free_blocks() == idle, f"seed={seed}"
+
+
+def test_holes_that_do_not_fit_wait_for_a_later_step(seed: int) -> None:
+    rng = random.Random(seed)
+    kvm, wrapped = _manager(8), _Wrapped()  # 7 usable blocks
+    prompt, alone = _final_prompt(rng)
+    for i, ids in enumerate(alone):
+        warm = _request(f"warm{i}", ids + [11, 200])
+        wrapped.lookup(kvm, warm)
+        assert wrapped.allocate(kvm, warm, warm.num_tokens) is not None
+        wrapped.free(kvm, warm)
+    idle = kvm.block_pool.get_num_free_blocks()
+    filler = _request("filler", [rng.randrange(100, 30_000) for _ in range(2 * SMALL)])
+    wrapped.lookup(kvm, filler)
+    assert wrapped.allocate(kvm, filler, filler.num_tokens) is not None  # 2 of the free blocks
+    final = _request("final", prompt)
+    new, hit, pending = _admit(kvm, wrapped, final, budget=1000)
+    # B fits; D and the question (3 blocks) do not: only the first hole runs, C stays pinned
+    assert pending.step.holes == [(16, 32)] and pending.step.attached == 0, f"seed={seed}"
+    assert len(pending.runs) == 1 and pending.runs[0][0] == 2
+    assert len(new.blocks[0]) == 1
+    output, holes = _settle(final, 1000, hit)
+    assert holes is None and output.num_scheduled_tokens["final"] == 16
+    assert output.total_num_scheduled_tokens == 16 and final.num_computed_tokens == 16
+    wrapped.free(kvm, final)
+    wrapped.free(kvm, filler)
+    assert kvm.block_pool.get_num_free_blocks() == idle, f"seed={seed}"
