@@ -191,6 +191,8 @@ class EmbeddedBackend:
         (``engine_ext/hole_steps.py``): a histogram and the recent prompts. Empty when the
         engine runs without the lookup past misses."""
         self._check_loop()
+        if not (self.settings.pic and "holes" in self.settings.features):
+            return {}  # (asking would log the EngineCore's AttributeError)
         try:  # engine_ext.hole_steps.STATS_METHOD (the engine side sits below this layer)
             return await self.engine.engine_core.call_utility_async("minipic_hole_stats")
         except Exception:  # plugin off or no holes feature: the utility does not exist

@@ -249,3 +249,8 @@ def test_kv_memory_in_use_is_reported(tiny_orchestrator) -> None:
     pool = run(tiny_orchestrator, backend.rotated_pool_stats())
     assert pool["budget_bytes"] == pool_budget and pool["pools"] >= 1
     assert 0 < pool["peak_bytes"] <= pool["cap_bytes"] <= pool_budget
+    # the scheduler counted the prefill steps of those prompts (finals and span prefills)
+    steps = run(tiny_orchestrator, backend.prefill_step_stats())
+    finals = [e for e in steps["recent"] if e["prompt_tokens"] in
+              {a.prompt_tokens for a in answers}]
+    assert len(finals) >= 3 and all(e["steps"] >= 1 for e in finals), steps
