@@ -40,6 +40,10 @@ from engine_ext.checkpoint_policy import (
 # greedy tokens except after a near-tie (top-2 margin within the tolerance); cached-token counts
 # are asserted exactly, so a resume from the wrong position fails there.
 LOGPROB_TOL = 0.25
+# Resumed (from a bf16 checkpoint) vs recomputed: the chosen tokens' logprobs over 8 greedy steps.
+# Fresh random prompts put the bf16 noise tail above 0.25 now and then (0.31 in a CI run on
+# 2026-12-02); a wrong or shifted state moves whole distributions, nats, not tenths.
+RESUME_LOGPROB_TOL = 0.5
 # The tiny Qwen3-Next's recurrent block is chosen by vLLM, never a constant here: vLLM enlarges
 # the attention block until one attention page (2 KV heads x 64 x K,V x bf16 = 512 B/token)
 # holds one GDN layer's state, rounded up to the requested block (32). That state's dtype
@@ -392,7 +396,7 @@ def test_exact_resume_matches_no_prefix_cache(engines, ckpt_llm, block):
         assert ref.num_cached_tokens == 0
         worst = max(worst, greedy_difference(got.outputs[0], ref.outputs[0]))
     print(f"max |logprob difference| resumed vs no prefix caching: {worst:.2e}")
-    assert worst <= LOGPROB_TOL
+    assert worst <= RESUME_LOGPROB_TOL
 
 
 @pytest.mark.engine
