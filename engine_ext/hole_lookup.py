@@ -316,7 +316,7 @@ def _wrap_reserve_prefill_lookahead(stock: Any) -> Any:
 def _wrap_update_after_schedule(stock: Any) -> Any:
     @functools.wraps(stock)
     def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
-        hole_steps.settle(self, scheduler_output, lambda r: r.__dict__.get(PENDING_ATTR))
+        hole_steps.settle(self, scheduler_output)
         stock(self, scheduler_output)
 
     return _update_after_schedule

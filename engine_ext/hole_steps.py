@@ -198,7 +198,7 @@ class PrefillSteps:
 PREFILL_STEPS = PrefillSteps()
 
 
-def settle(scheduler: Any, output: Any, pending_of: Any) -> None:
+def settle(scheduler: Any, output: Any) -> None:
     """Before vLLM advances the step's requests: move holed requests over their attached runs,
     tell the worker their holes, and count prefill steps of opted-in requests."""
     holes_out: dict[str, tuple[tuple[int, int], ...]] = {}
@@ -206,7 +206,7 @@ def settle(scheduler: Any, output: Any, pending_of: Any) -> None:
         request = scheduler.requests.get(rid)
         if request is None:
             continue
-        pending = pending_of(request)
+        pending = request.__dict__.get(PENDING_ATTR)
         plan: StepHoles | None = getattr(pending, "step", None) if pending else None
         computed = request.num_computed_tokens
         if plan is not None and plan.realized:

@@ -321,7 +321,6 @@ def _admit(kvm, wrapped: _Wrapped, request, budget: int):
 
 
 def _settle(request, scheduled: int, computed: int):
-    from engine_ext import hole_lookup
     from engine_ext.hole_steps import HOLES_ATTR, settle
 
     request.num_computed_tokens = computed  # as the waiting path sets it
@@ -332,7 +331,7 @@ def _settle(request, scheduled: int, computed: int):
         scheduled_new_reqs=[types.SimpleNamespace(req_id=request.request_id,
                                                   num_computed_tokens=computed)],
         scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], num_computed_tokens=[]))
-    settle(scheduler, output, lambda r: r.__dict__.get(hole_lookup.PENDING_ATTR))
+    settle(scheduler, output)
     return output, getattr(output, HOLES_ATTR, None)
 
 
