@@ -135,6 +135,7 @@ class MinipicSpanStore(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self.lookup is not None
+        self.lookup.note(request)
         if self.lookup.must_wait(request):
             return None, False  # its blocks are being filled: ask again next step
         return 0, False  # store hits become pool hits, counted by the lookup itself
@@ -168,6 +169,32 @@ class MinipicSpanStore(KVConnectorBase_V1):
         assert self.lookup is not None
         return {"fingerprint": self.fingerprint, "config": self.config.model_dump(),
                 **self.lookup.stats()}
+
+    # -- /metrics (engine_ext/span_store/metrics.py) -----------------------------------------
+
+    def get_kv_connector_stats(self) -> Any:
+        """Counters' increase since the last step (scheduler side; the worker reports none)."""
+        if self.lookup is None:
+            return None
+        from engine_ext.span_store.metrics import SpanStoreStats
+
+        delta = self.lookup.reported.take(self.lookup.counts)
+        return SpanStoreStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from engine_ext.span_store.metrics import SpanStoreStats
+
+        return SpanStoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> Any:
+        from engine_ext.span_store.metrics import SpanStorePromMetrics
+
+        return SpanStorePromMetrics(vllm_config, metric_types, labelnames,
+                                    per_engine_labelvalues)
 
     # -- worker side ------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from typing import Any
 from engine_ext.hole_steps import step_ranges
 from engine_ext.span_hashing import span_chained_blocks
 from engine_ext.span_store.keys import entry_key
+from engine_ext.span_store.metrics import StatsDelta
 from span_contract.span_config import SpanConfig, spans_opted_in
 
 logger = logging.getLogger("vllm.minipic.span_store")
@@ -67,6 +68,12 @@ class StoreLookup:
         self.waiting: dict[str, set[int]] = {}  # request -> fills it waits for
         self.saving: set[str] = set()
         self.counts: Counter[str] = Counter()
+        # request -> tokens the store filled for it, by tier (split of its cached tokens)
+        self.filled_for: dict[str, Counter[str]] = {}
+        # request -> its PrefillStats (vLLM hands it to the output at the first token, so it is
+        # kept here to read the request's cached tokens when it finishes)
+        self.prefill_of: dict[str, Any] = {}
+        self.reported = StatsDelta()  # for /metrics (``metrics``)
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -131,6 +138,12 @@ class StoreLookup:
         if waits:
             self.waiting[rid] = waits
 
+    def note(self, request: Any) -> None:
+        """Every request the scheduler looks up (for its cached-token split at finish)."""
+        stats = getattr(request, "prefill_stats", None)
+        if stats is not None:
+            self.prefill_of.setdefault(request.request_id, stats)
+
     def must_wait(self, request: Any) -> bool:
         return bool(self.waiting.get(request.request_id))
 
@@ -190,6 +203,8 @@ class StoreLookup:
                 pool.cache_full_blocks(request, blocks, index, index + 1, bs, group)
                 self.counts[f"tokens_{source}"] += bs
                 self.counts["loaded_blocks"] += 1
+                for rid in load.waiters & self.requests.keys():  # not finished yet
+                    self.filled_for.setdefault(rid, Counter())[source] += bs
             pool.free_blocks([load.block])
         for block_id in failed:
             load = self._finish(block_id)
@@ -213,8 +228,12 @@ class StoreLookup:
         return load
 
     def forget(self, request: Any) -> None:
-        """The request finished or was aborted (fills it asked for still complete)."""
+        """The request finished or was aborted (fills it asked for still complete); its cached
+        tokens are split by source for ``/metrics``."""
         rid = request.request_id
+        stats = self.prefill_of.pop(rid, None)
+        self.reported.add_request(0 if stats is None else stats.num_cached_tokens,
+                                  self.filled_for.pop(rid, Counter()))
         self.requests.pop(rid, None)
         self.looked_up.pop(rid, None)
         self.waiting.pop(rid, None)

@@ -1,0 +1,147 @@
+"""The span store on ``/metrics``: cached prompt tokens split by source (pool, store RAM, store
+disk, store shared), through vLLM's own connector-metrics extension point.
+
+Why not vLLM's ``vllm:prompt_tokens_cached_by_source``: it splits only hits reported through
+``get_num_new_matched_tokens`` (one contiguous run after the local hit), which the span store
+does not use -- its loads are promoted into the pool and then found as pool hits
+(``scheduler_side``), so vLLM counts them as ``device``. The store knows better: it attributes
+each filled block to every request that waited for it, and when a request finishes it splits the
+request's cached tokens (its ``PrefillStats.num_cached_tokens``, the count the HTTP response's
+``usage.prompt_tokens_details.cached_tokens`` carries) into what the store filled for it and the
+rest, which came from the pool.
+
+How it reaches the front-end (no patch): the scheduler calls the connector's
+``get_kv_connector_stats`` after every step and ships the payload in ``SchedulerStats``; the
+API server's Prometheus logger builds the connector's ``KVConnectorPromMetrics`` with
+``build_prom_metrics`` and calls ``observe`` with that payload. The payload is the counters'
+increase since the last call, so nothing is counted twice.
+
+Metrics (Prometheus adds ``_total`` to counters):
+
+* ``minipic:cached_prompt_tokens{source=pool|store_ram|store_disk|store_shared}`` -- per
+  finished request, at finish;
+* ``minipic:span_store_loaded_tokens{source=ram|disk|shared}`` -- tokens filled from each tier,
+  at fill time (a fill whose request was aborted still counts here);
+* ``minipic:span_store_blocks{event=saved|loaded|failed_load|skipped_no_room}``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+SOURCES = ("pool", "store_ram", "store_disk", "store_shared")
+TIERS = ("ram", "disk", "shared")
+BLOCK_EVENTS = ("saved", "loaded", "failed_load", "skipped_no_room")
+# the scheduler-side counter each payload field is the increase of
+_COUNT_OF_EVENT = {"saved": "saved_blocks", "loaded": "loaded_blocks",
+                   "failed_load": "failed_loads", "skipped_no_room": "skipped_no_room"}
+
+
+def payload_fields() -> list[str]:
+    """Every key a payload may hold: ``cached_<source>``, ``tokens_<tier>``, ``<event>``."""
+    return ([f"cached_{s}" for s in SOURCES] + [f"tokens_{t}" for t in TIERS]
+            + list(BLOCK_EVENTS))
+
+
+def split_cached(num_cached: int, filled: Counter[str]) -> dict[str, int]:
+    """A finished request's cached tokens by source: what the store filled for it (capped at
+    what it found cached: a filled block evicted before the request ran was computed) and the
+    rest from the pool."""
+    split = {f"store_{tier}": 0 for tier in TIERS}
+    left = max(num_cached, 0)
+    for tier in TIERS:
+        take = min(filled.get(tier, 0), left)
+        split[f"store_{tier}"] = take
+        left -= take
+    split["pool"] = left
+    return split
+
+
+class StatsDelta:
+    """The scheduler side's running totals and what was last reported of them."""
+
+    def __init__(self) -> None:
+        self.totals: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()
+
+    def add_request(self, num_cached: int, filled: Counter[str]) -> None:
+        for source, tokens in split_cached(num_cached, filled).items():
+            self.totals[f"cached_{source}"] += tokens
+
+    def take(self, counts: Counter[str]) -> dict[str, int]:
+        """The increase of every field since the last ``take`` (only fields that grew)."""
+        current = Counter(self.totals)
+        for tier in TIERS:
+            current[f"tokens_{tier}"] = counts.get(f"tokens_{tier}", 0)
+        for event, name in _COUNT_OF_EVENT.items():
+            current[event] = counts.get(name, 0)
+        delta = {k: v - self._reported.get(k, 0) for k, v in current.items()
+                 if v > self._reported.get(k, 0)}
+        self._reported = current
+        return delta
+
+
+@dataclass
+class SpanStoreStats(KVConnectorStats):
+    """One interval's increases (``data``: field -> count), summed across steps."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = Counter(self.data)
+        merged.update(other.data)
+        return SpanStoreStats(data=dict(merged))
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(sorted(self.data.items()))
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class SpanStorePromMetrics(KVConnectorPromMetrics):
+    """The counters above, one child per engine and label value."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_label(name: str, doc: str, label: str, values: tuple[str, ...]
+                      ) -> dict[str, dict[int, Any]]:
+            metric = self._counter_cls(name=name, documentation=doc,
+                                       labelnames=[*labelnames, label])
+            return {value: {engine: metric.labels(*labels, value)
+                            for engine, labels in per_engine_labelvalues.items()}
+                    for value in values}
+
+        self.cached = per_label(
+            "minipic:cached_prompt_tokens",
+            "Cached prompt tokens of finished requests by where their KV came from: the pool, "
+            "or the span store's RAM / disk / shared tier (minipic span store).",
+            "source", SOURCES)
+        self.loaded = per_label(
+            "minipic:span_store_loaded_tokens",
+            "Tokens filled into the pool from each span store tier.", "source", TIERS)
+        self.blocks = per_label(
+            "minipic:span_store_blocks",
+            "Span store block events: saved, loaded, failed loads (a miss, the block is "
+            "computed), loads skipped for want of free blocks.", "event", BLOCK_EVENTS)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for source, children in self.cached.items():
+            if amount := transfer_stats_data.get(f"cached_{source}", 0):
+                children[engine_idx].inc(amount)
+        for tier, children in self.loaded.items():
+            if amount := transfer_stats_data.get(f"tokens_{tier}", 0):
+                children[engine_idx].inc(amount)
+        for event, children in self.blocks.items():
+            if amount := transfer_stats_data.get(event, 0):
+                children[engine_idx].inc(amount)
