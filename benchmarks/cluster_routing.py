@@ -10,7 +10,11 @@ same order, each configuration on a fresh server process (cold caches):
 * ``--replicas N`` with each router of ``--routers``: ``span`` (minipic's span-affinity router:
   replicas scored by span blocks held anywhere in the prompt), ``round_robin`` (no affinity: the
   floor), ``prefix`` (Ray's PrefixCacheAffinityRouter: leading-run affinity), ``pow2`` (Ray's
-  default).
+  default);
+* ``ROUTER+store`` for each router of ``--store-routers``: the same cluster with
+  ``--span-store DIR`` (a fresh empty directory per configuration, removed afterwards), which
+  every replica uses as its shared tier: a span one replica computed is loaded by another
+  instead of recomputed.
 
 Workload: the bench's warm-corpus shape (``minipic.bench.workloads.rag_workload`` with one
 relevant passage and a small shared pool), so passages recur across questions at different
@@ -44,10 +48,12 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -281,7 +287,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
     rows = [r for r in report["configurations"].values() if "error" not in r]
     names = [r["name"] for r in rows]
-    colors = ["#999" if n == "single" else "#2a7" if n == "span" else "#57a" for n in names]
+    colors = ["#999" if n == "single" else "#c84" if n.endswith(STORE_SUFFIX)
+              else "#2a7" if n == "span" else "#57a" for n in names]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.8))
     ax1.bar(names, [100 * (r["hit_rate"] or 0) for r in rows], color=colors)
     ax1.set_ylabel("final-prompt tokens cached (%)")
@@ -362,7 +369,24 @@ def _configurations(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     configs = [("single", common)]
     for router in args.routers:
         configs.append((router, [*common, "--replicas", str(args.replicas), "--router", router]))
+    for router in args.store_routers:
+        # the directory is filled in per run (``_store_dir``): every configuration starts empty
+        configs.append((f"{router}{STORE_SUFFIX}", [*common, "--replicas", str(args.replicas),
+                                                    "--router", router, "--span-store",
+                                                    STORE_PLACEHOLDER]))
     return configs
+
+
+STORE_SUFFIX = "+store"
+STORE_PLACEHOLDER = "{store}"
+
+
+def _store_dir(serve_args: list[str]) -> tuple[list[str], str | None]:
+    """``serve_args`` with a fresh empty store directory in place of the placeholder."""
+    if STORE_PLACEHOLDER not in serve_args:
+        return serve_args, None
+    path = tempfile.mkdtemp(prefix="minipic-cluster-store-")
+    return [path if a == STORE_PLACEHOLDER else a for a in serve_args], path
 
 
 def main() -> None:
@@ -380,6 +404,9 @@ def main() -> None:
     p.add_argument("--routers", default="span,round_robin,prefix",
                    help=f"comma-separated routers to compare with the single server, from "
                         f"{','.join(ROUTERS)} (default: %(default)s)")
+    p.add_argument("--store-routers", default="round_robin,span",
+                   help="routers to run again with a span store shared by the replicas "
+                        "(configuration ROUTER+store; empty: none; default: %(default)s)")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="serve with --eager (skip torch.compile: faster start-up; default on)")
     p.add_argument("--warmup", type=int, default=2,
@@ -387,7 +414,8 @@ def main() -> None:
                         "batch, per configuration (0: none; default: %(default)s)")
     args = p.parse_args()
     args.routers = [r for r in args.routers.split(",") if r]
-    unknown = sorted(set(args.routers) - set(ROUTERS))
+    args.store_routers = [r for r in args.store_routers.split(",") if r]
+    unknown = sorted((set(args.routers) | set(args.store_routers)) - set(ROUTERS))
     if unknown:
         p.error(f"unknown routers {unknown}; choose from {','.join(ROUTERS)}")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
@@ -426,8 +454,17 @@ def main() -> None:
             first[0] = False
             progress.update(task, description=message)
 
-        for name, serve_args in configs:
-            row = measure(name, serve_args, questions, args, step)
+        for name, planned in configs:
+            serve_args, store = _store_dir(planned)
+            try:
+                row = measure(name, serve_args, questions, args, step)
+            finally:
+                if store is not None:
+                    row_store = {"dir": store, "bytes": sum(
+                        f.stat().st_size for f in Path(store).rglob("*") if f.is_file())}
+                    shutil.rmtree(store, ignore_errors=True)
+            if store is not None:
+                row["span_store"] = row_store
             rows[name] = row
             if "error" in row:
                 progress.console.print(f"[red]{name}: {row['error']}")

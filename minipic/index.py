@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.span_index import ManifestRecord, document_digest, read_manifest, salt_digest
 from span_contract.errors import BadInputError
+from span_contract.span_store_config import default_store_dir
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -516,12 +517,6 @@ def finish_report(report: IndexReport, store_dir: Path, block_size: int) -> Inde
 # -- command line -------------------------------------------------------------------------------
 
 
-def default_store() -> Path:
-    from span_contract.models import cache_root
-
-    return cache_root() / "span-store"
-
-
 def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "index", help="precompute a corpus's span KV into a span store (resumable)",
@@ -655,7 +650,7 @@ async def _run(args: argparse.Namespace, docs: list[Document], console: Console
     else:
         from span_contract.span_store_config import SpanStoreConfig
 
-        store = store or default_store()
+        store = store or default_store_dir()
         store.mkdir(parents=True, exist_ok=True)
         orc = Orchestrator.embedded(
             args.model, options=options, learn_stored_spans=False, block_size=args.block_size,

@@ -18,6 +18,10 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 CONNECTOR_NAME = "MinipicSpanStore"
+# `minipic serve`'s default for --span-store: a directory, "off", or unset = on at
+# ``default_store_dir()``
+DEFAULT_ENV = "MINIPIC_SPAN_STORE"
+OFF_VALUES = ("off", "none", "0", "false")
 CONNECTOR_MODULE = "engine_ext.span_store.connector"
 _DIGEST_CACHE = "weights-digests.json"
 
@@ -55,6 +59,15 @@ class SpanStoreConfig(BaseModel):
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> SpanStoreConfig:
         return cls.model_validate({k: v for k, v in extra.items() if k in cls.model_fields})
+
+
+def default_store_dir() -> Path:
+    """Where ``minipic serve`` and ``minipic index`` keep the store unless told otherwise: next to
+    the converted models (``$MINIPIC_CACHE_DIR`` or ``~/.cache/minipic``), so that a server
+    started again finds what an earlier one (or ``minipic index``) saved."""
+    from span_contract.models import cache_root
+
+    return cache_root() / "span-store"
 
 
 def weights_digest(model_dir: str) -> str:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,6 +68,38 @@ def pytest_configure(config: pytest.Config) -> None:
     path, why = choose_cache(config)
     os.environ[CACHE_ENV] = path
     config.stash[_CACHE_KEY] = f"minipic model cache: {path} — {why}"
+    # `minipic serve` keeps a span store by default (in the user's cache); the suite's servers
+    # do not, so that what they cache is their pool alone and nothing lands in that cache.
+    # Tests of the store pass --span-store DIR; the default itself: test_span_store_config.
+    os.environ.setdefault(SPAN_STORE_DEFAULT_ENV, "off")
+    # One scratch folder per run for what engines and servers leave on disk: vLLM's ZMQ IPC
+    # sockets (a killed engine cannot unlink them) and the servers' logs; removed at the end,
+    # logs kept when a test failed.
+    scratch = Path(tempfile.mkdtemp(prefix="minipic-tests-"))
+    (scratch / "ipc").mkdir()
+    (scratch / "logs").mkdir()
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", str(scratch / "ipc"))
+    SCRATCH[:] = [scratch]
+
+
+SPAN_STORE_DEFAULT_ENV = "MINIPIC_SPAN_STORE"
+SCRATCH: list[Path] = []  # this run's scratch folder (pytest_configure)
+
+
+def scratch_path(name: str) -> str:
+    """A path in this run's scratch folder (``/tmp`` outside a pytest run)."""
+    return str((SCRATCH[0] / name) if SCRATCH else Path(tempfile.gettempdir()) / Path(name).name)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not SCRATCH:
+        return
+    scratch = SCRATCH[0]
+    shutil.rmtree(scratch / "ipc", ignore_errors=True)
+    if exitstatus == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+    elif scratch.exists():
+        print(f"\nminipic: server logs of this run: {scratch / 'logs'}")
 
 
 _CACHE_KEY = pytest.StashKey[str]()
@@ -174,7 +207,7 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = args
-        self.log_path = log_path or f"/tmp/minipic-serve-{self.port}.log"
+        self.log_path = log_path or scratch_path(f"logs/minipic-serve-{self.port}.log")
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 300.0) -> ServerProcess:

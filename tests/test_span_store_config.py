@@ -25,10 +25,27 @@ def _serve_args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["serve", *argv])
 
 
-def test_serve_flags(tmp_path) -> None:
+def test_serve_flags(tmp_path, monkeypatch) -> None:
     from minipic.serve import span_store_config
+    from span_contract.span_store_config import DEFAULT_ENV
 
+    # the default: on, next to the models (the test session sets the variable to "off" so that
+    # the suite's servers keep their pools alone; a user's shell does not)
+    monkeypatch.delenv(DEFAULT_ENV, raising=False)
+    monkeypatch.setenv("MINIPIC_CACHE_DIR", str(tmp_path / "cache"))
+    default = span_store_config(_serve_args())
+    assert default is not None and default.dir == str(tmp_path / "cache" / "span-store")
+    assert default.shared_dir is None and (default.disk_gib, default.ram_mib) == (8.0, 256)
+    clustered = span_store_config(_serve_args("--replicas", "2"))  # one tier all replicas share
+    assert clustered.dir is None and clustered.shared_dir == default.dir
+    for off in (["--no-pic"], ["--features", "hash,rope"], ["--ckpt-budget", "4"]):
+        assert span_store_config(_serve_args(*off)) is None, off
+    assert span_store_config(_serve_args("--features", "hash,rope,holes")).dir == default.dir
+    monkeypatch.setenv(DEFAULT_ENV, str(tmp_path / "elsewhere"))
+    assert span_store_config(_serve_args()).dir == str(tmp_path / "elsewhere")
+    monkeypatch.setenv(DEFAULT_ENV, "off")
     assert span_store_config(_serve_args()) is None
+    monkeypatch.delenv(DEFAULT_ENV)
     assert span_store_config(_serve_args("--span-store", "off")) is None
     local = span_store_config(_serve_args("--span-store", str(tmp_path), "--span-store-gib", "2"))
     assert local.dir == str(tmp_path) and local.shared_dir is None and local.disk_gib == 2
