@@ -366,9 +366,13 @@ def _router_lines(report: dict[str, Any]) -> list[str]:
 def _configurations(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     common = [*(["--model", args.model] if args.model else []),
               *(["--eager"] if args.eager else [])]
-    configs = [("single", common)]
+    # serve keeps a span store by default: the configurations without one say so, or they would
+    # share (and warm each other through) the default directory
+    off = ["--span-store", "off"]
+    configs = [("single", [*common, *off])]
     for router in args.routers:
-        configs.append((router, [*common, "--replicas", str(args.replicas), "--router", router]))
+        configs.append((router, [*common, "--replicas", str(args.replicas), "--router", router,
+                                 *off]))
     for router in args.store_routers:
         # the directory is filled in per run (``_store_dir``): every configuration starts empty
         configs.append((f"{router}{STORE_SUFFIX}", [*common, "--replicas", str(args.replicas),
