@@ -88,6 +88,20 @@ class StatsDelta:
         return delta
 
 
+METRIC_PREFIX = "minipic:"
+
+
+def _unregister_previous() -> None:
+    """Drop minipic's collectors of an earlier engine from the global registry: a process that
+    builds a second engine (tests, ``LLM`` twice) would otherwise fail on duplicate names. vLLM
+    does the same for its own ``vllm:`` metrics (``unregister_vllm_metrics``)."""
+    from prometheus_client import REGISTRY
+
+    for collector in list(getattr(REGISTRY, "_collector_to_names", {})):
+        if str(getattr(collector, "_name", "")).startswith(METRIC_PREFIX):
+            REGISTRY.unregister(collector)
+
+
 @dataclass
 class SpanStoreStats(KVConnectorStats):
     """One interval's increases (``data``: field -> count), summed across steps."""
@@ -113,6 +127,7 @@ class SpanStorePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_previous()
 
         def per_label(name: str, doc: str, label: str, values: tuple[str, ...]
                       ) -> dict[str, dict[int, Any]]:
