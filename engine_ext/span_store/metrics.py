@@ -44,12 +44,6 @@ _COUNT_OF_EVENT = {"saved": "saved_blocks", "loaded": "loaded_blocks",
                    "failed_load": "failed_loads", "skipped_no_room": "skipped_no_room"}
 
 
-def payload_fields() -> list[str]:
-    """Every key a payload may hold: ``cached_<source>``, ``tokens_<tier>``, ``<event>``."""
-    return ([f"cached_{s}" for s in SOURCES] + [f"tokens_{t}" for t in TIERS]
-            + list(BLOCK_EVENTS))
-
-
 def split_cached(num_cached: int, filled: Counter[str]) -> dict[str, int]:
     """A finished request's cached tokens by source: what the store filled for it (capped at
     what it found cached: a filled block evicted before the request ran was computed) and the
@@ -129,34 +123,32 @@ class SpanStorePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
 
-        def per_label(name: str, doc: str, label: str, values: tuple[str, ...]
-                      ) -> dict[str, dict[int, Any]]:
+        def per_label(field: str, name: str, doc: str, label: str, values: tuple[str, ...]
+                      ) -> None:
             metric = self._counter_cls(name=name, documentation=doc,
                                        labelnames=[*labelnames, label])
-            return {value: {engine: metric.labels(*labels, value)
-                            for engine, labels in per_engine_labelvalues.items()}
-                    for value in values}
+            for value in values:
+                self.children[field.format(value)] = {
+                    engine: metric.labels(*labels, value)
+                    for engine, labels in per_engine_labelvalues.items()}
 
-        self.cached = per_label(
-            "minipic:cached_prompt_tokens",
+        # payload field -> engine -> counter child
+        self.children: dict[str, dict[int, Any]] = {}
+        per_label(
+            "cached_{}", "minipic:cached_prompt_tokens",
             "Cached prompt tokens of finished requests by where their KV came from: the pool, "
             "or the span store's RAM / disk / shared tier (minipic span store).",
             "source", SOURCES)
-        self.loaded = per_label(
-            "minipic:span_store_loaded_tokens",
+        per_label(
+            "tokens_{}", "minipic:span_store_loaded_tokens",
             "Tokens filled into the pool from each span store tier.", "source", TIERS)
-        self.blocks = per_label(
-            "minipic:span_store_blocks",
+        per_label(
+            "{}", "minipic:span_store_blocks",
             "Span store block events: saved, loaded, failed loads (a miss, the block is "
             "computed), loads skipped for want of free blocks.", "event", BLOCK_EVENTS)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for source, children in self.cached.items():
-            if amount := transfer_stats_data.get(f"cached_{source}", 0):
-                children[engine_idx].inc(amount)
-        for tier, children in self.loaded.items():
-            if amount := transfer_stats_data.get(f"tokens_{tier}", 0):
-                children[engine_idx].inc(amount)
-        for event, children in self.blocks.items():
-            if amount := transfer_stats_data.get(event, 0):
+        for field, amount in transfer_stats_data.items():
+            children = self.children.get(field)
+            if children is not None and amount:
                 children[engine_idx].inc(amount)
