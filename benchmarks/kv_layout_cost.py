@@ -9,11 +9,11 @@ SmolLM2-135M shapes (9 query / 3 kv heads, D=64, block 32), fp32 and bf16, one t
 
 * ``write``: storing a prefill's keys and values (old: the unrotated copy, then rotate + vLLM's
   writer; new: rotate + vLLM's writer only);
-* ``fill``: building the rotated-pool entries of N blocks read one slot off home (old: gather
-  the unrotated keys token by token, the model's rotary op at the new positions, vLLM's writer
-  into the pool; new: the blocks' home keys read through the measured page layout, moved by the
-  slot difference with the same rotary op and a table of offsets, vLLM's writer into the pool:
-  ``rope_attention_backend.move_home_keys``).
+* ``fill``: what N blocks read one slot off home cost before attention (old: gather the
+  unrotated keys token by token, the model's rotary op at the new positions, vLLM's writer into
+  a pool, values copied beside them; new: the blocks' home key pages moved by the slot
+  difference with the same rotary op and a table of offsets, straight into the key shadow,
+  values read in place: ``rope_attention_backend.move_keys``).
 
 Medians of repeated runs; ratios new / old. Pure operator timing (no engine), so it needs no
 model download and finishes in well under a minute.
@@ -63,7 +63,8 @@ def measure(dtype: torch.dtype, blocks: int, reps: int) -> dict[str, float]:
     from vllm import _custom_ops as ops
 
     from engine_ext.cpu_kv_layout import probe
-    from engine_ext.rope_attention_backend import _rotate, move_home_keys
+    from engine_ext.rope_attention_backend import _rotate, move_keys
+    from engine_ext.step_plan import RotatedFill
 
     isa = cpu_attn._get_attn_isa(dtype, BLOCK, HEAD)
     rope = _rope(dtype)
@@ -109,13 +110,19 @@ def measure(dtype: torch.dtype, blocks: int, reps: int) -> dict[str, float]:
         ops.cpu_attn_reshape_and_cache(keys, keys, p_key, p_value, token_pool_slots, isa)
         p_value[entries] = v_old[read_blocks]
 
-    def fill_new() -> None:
-        move_home_keys(layout, k_home, read_blocks, offsets, rope, p_key, p_value, entries, isa)
-        p_value[entries] = v_new[read_blocks]
+    shadow = torch.zeros(num_blocks, KV_HEADS, 2 * BLOCK, HEAD, dtype=dtype)
+    s_key = shadow.chunk(2, dim=2)[0]
+    none = torch.zeros(0, dtype=torch.long)
+    fill = RotatedFill(copy_blocks=none, copy_dest=none, blocks=read_blocks, offsets=offsets,
+                       dest=read_blocks)
+
+    def fill_new() -> None:  # values stay where they are: the kernel reads them from the cache
+        move_keys(layout, k_home, fill, rope, s_key)
 
     fill_old()
     old_keys = p_key.clone()
     fill_new()
+    p_key.copy_(s_key[read_blocks])
     # same keys as rotating once, within the fp32 table's own angle error (tests/test_kernels.py)
     # (bf16: rounded twice instead of once, a few units in the last place)
     tol = float(key.abs().max()) * (8192 * 2.0**-23 if dtype == torch.float32 else 2.0**-5)

@@ -30,17 +30,22 @@ Reading a block at its home slot (every read when PIC is off: stock prefix hashi
 a block at the slot it was computed at) therefore runs vLLM's own C++ kernel
 (``cpu_attention_with_kv_cache``) on the stock page with no extra work -- bit-identical to
 stock. A request that reads some block at another slot (a span reused at a new offset) is
-attended through the *rotated-block pool* (``RotatedBlocks``): one entry per (table slot,
-physical block) it reads, holding that block's keys moved to that slot (or copied when the slot
-is the block's home) and its values, in the C++ kernel's layout; the same kernel then runs on
-the pool. The kernel's key layout depends on the ISA, so it is measured once per (ISA, dtype,
-block) by vLLM's own writer (``engine_ext/cpu_kv_layout.py``) to read keys back as plain rows.
-An entry depends only on the block's content and the slot, so it serves every request and every
-later step that reads that block there; it is dropped when the block is written, so a decode
-step rebuilds one block per request. Nothing shared is ever rewritten in the KV cache, and one
-physical block serves any number of requests at any offsets in the same batch. Which physical
-block sits at which home slot, and the pool's entries, are tracked per KV-cache group by the
-metadata builder, once per step.
+attended with keys from the layer's *key shadow* (``engine_ext/key_shadow.py``): address space
+shaped like the cache, where block ``b``'s page, at index ``b``, holds its keys moved to the slot
+it is read at (rotated from home by the difference, or copied when the slot is its home). vLLM's
+kernel takes keys and values as separate tensors with one block table, so it runs with keys from
+the shadow and **values in place from the cache**, on the request's own physical table: only
+keys are ever moved, and memory is committed only for the pages written, inside the pool's
+budget (``engine_ext/rotated_pool.py``). The kernel's key layout depends on the ISA, so it is
+measured once per (ISA, dtype, block) by vLLM's own writer (``engine_ext/cpu_kv_layout.py``).
+A shadow page depends only on the block's content and the slot, so it serves every request and
+every later step that reads that block there; it turns stale when the block is written, so a
+decode step rebuilds one page per request. Requests of one step that read a block at different
+slots are attended in separate chunks; a request that reads one block at two slots itself (the
+same document twice) attends a private scratch copy. Nothing shared is ever rewritten in the KV
+cache, and one physical block serves any number of requests at any offsets. Which physical
+block sits at which home slot, and which slot each shadow page holds, are tracked per KV-cache
+group by the metadata builder, once per step.
 
 **Precision.** Off-home keys are rotated twice (at write, then by the offset) where the
 reference rotates once; in fp32 the difference is at rounding level (measured in
@@ -48,8 +53,8 @@ reference rotates once; in fp32 the difference is at rounding level (measured in
 moved key. Home reads are exact.
 
 **Paths.** ``MINIPIC_CPU_ATTN=auto`` (default): requests at home run vLLM's C++ kernel on the
-cache; only off-home requests go through the pool. ``scratch`` sends every request through the
-pool, ``torch`` through the pure-torch reference (``kernels.paged_attention_rope_ref``, on keys
+cache; only off-home requests read the key shadow. ``scratch`` sends every request through the
+shadow, ``torch`` through the pure-torch reference (``kernels.paged_attention_rope_ref``, on keys
 un-rotated from the cache). Why ``auto``
 (measured per-layer and whole-engine costs of each path): ``results/cpu_backend.md`` and README.
 
@@ -57,9 +62,10 @@ un-rotated from the cache). Why ``auto``
 split into kernel rows whose tables start at their segment's first block (``step_plan``).
 
 Invariants: nothing shared is ever rewritten in the cache after its block is written; a
-block's keys are rotated at the one slot it was written at (its home); a pool entry holds exactly
-"block rotated for slot" and is dropped when the block is written; every layer of a KV-cache group
-sees the same step plan, built once per step by the metadata builder.
+block's keys are rotated at the one slot it was written at (its home); a shadow page holds
+exactly "block's keys rotated for slot" and turns stale when the block is written; one kernel
+call reads each block at one slot; every layer of a KV-cache group sees the same step plan,
+built once per step by the metadata builder.
 
 **Processes.** ``install()`` runs from the plugin in every vLLM process; it only registers class
 paths (``CPU_ATTN`` -> this module, ``CUSTOM`` -> ``engine_ext.cuda_backend``) and wraps the model
@@ -84,8 +90,8 @@ from span_contract.span_config import SpanConfig
 
 BACKEND_PATH = "engine_ext.rope_attention_backend.MinipicCPUAttentionBackend"
 CUDA_BACKEND_PATH = "engine_ext.cuda_backend.MinipicCudaAttentionBackend"
-# auto: C++ kernel on home-rotated keys + the rotated-block pool for requests reading blocks off
-# their home slot. scratch / torch: every request through the pool / the pure-torch path.
+# auto: C++ kernel on home-rotated keys + the key shadow for requests reading blocks off
+# their home slot. scratch / torch: every request through the shadow / the pure-torch path.
 ATTN_PATH_ENV = "MINIPIC_CPU_ATTN"
 ATTN_PATHS = ("auto", "scratch", "torch")
 
@@ -144,11 +150,13 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from engine_ext import cpu_kv_layout  # noqa: E402
+from engine_ext.key_shadow import KeyShadow  # noqa: E402
 from engine_ext.rotated_pool import RotatedBlocks, pool_cap_entries  # noqa: E402
 from engine_ext.span_isolation import step_key_starts, step_positions  # noqa: E402
 from engine_ext.step_plan import (  # noqa: E402
     HomeSlots,
     OffHomeBatch,
+    RotatedFill,
     StepPlan,
     plan_step,
 )
@@ -219,9 +227,9 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                               and converted_layers(vllm_config, layer_names) > 0)
         self.path = attn_path()
         self.home = HomeSlots(vllm_config.cache_config.num_gpu_blocks or 0)
-        # One pool entry holds a block's rotated keys and its values in every layer of the group.
+        # A shadow page holds one block's keys (values are read in place) in every layer.
         itemsize = torch.tensor([], dtype=kv_cache_spec.dtype).element_size()
-        entry_bytes = (2 * kv_cache_spec.block_size * kv_cache_spec.head_size
+        entry_bytes = (kv_cache_spec.block_size * kv_cache_spec.head_size
                        * kv_cache_spec.num_kv_heads * itemsize * len(layer_names))
         longest = -(-vllm_config.model_config.max_model_len // kv_cache_spec.block_size)
         self.rotated = RotatedBlocks(cap=pool_cap_entries(entry_bytes, longest),
@@ -357,10 +365,10 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
                          home.query_start_loc, home.seq_lens, home.block_table,
                          home.scheduler_metadata, attn_metadata.causal, None)
             output[home.rows] = sub_out
-        if plan.release_pool:
-            self._pool = None  # idle: the pool's index was reset, give the pages back
+        if plan.release_pool and getattr(self, "_shadow", None) is not None:
+            self._shadow.release_all()  # idle: the pool's index was reset, give the pages back
         if rope is not None:
-            # Chunk by chunk: a later chunk may reuse pool entries an earlier one attended with.
+            # Chunk by chunk: a later chunk may refill shadow pages an earlier one attended with.
             for chunk in plan.off_home_chunks:
                 self._attend_off_home(layer, query, key_cache, value_cache, chunk,
                                       attn_metadata.causal, rope, output)
@@ -410,42 +418,44 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
                          rope: torch.nn.Module, output: torch.Tensor) -> None:
         """RoPE inside attention: keys moved to the slot they are read at, then attended.
 
-        The moved copies live in this layer's pool (``RotatedBlocks``); the step's plan says
-        which entries to (re)build, after this step's writes: blocks read at their home slot
-        are copied, the others get their home keys rotated by the slot difference (one offset
-        per block). The C++ kernel then runs on the pool with the pool's block table.
+        The moved keys live in this layer's key shadow (``engine_ext/key_shadow.py``), at each
+        block's own index; the plan says which pages to give back and which to (re)build, after
+        this step's writes: blocks read at their home slot are copied, the others get their
+        home keys rotated by the slot difference (one offset per block). The C++ kernel then
+        runs with keys from the shadow and values from the cache, on the physical block table.
+        A private chunk attends a scratch copy (keys and values) instead.
         """
-        num_kv_heads, block_size, head_size = key_cache.shape[1:]
-        pool = self._rotated_pool(batch.pool_blocks, num_kv_heads, block_size, head_size,
-                                  key_cache.dtype)
-        p_key, p_value = pool.chunk(2, dim=2)
+        if batch.scratch_pages:
+            pages = torch.empty(batch.scratch_pages, *key_cache.shape[1:-2],
+                                2 * key_cache.shape[2], key_cache.shape[3],
+                                dtype=key_cache.dtype)
+            keys, values = pages.chunk(2, dim=2)
+            values.copy_(value_cache.index_select(0, batch.fill.blocks))
+        else:
+            shadow = self._key_shadow(key_cache)
+            if batch.release:
+                shadow.release(batch.release)
+            keys, values = shadow.keys, value_cache
         fill = batch.fill
         if fill is not None:
-            if fill.home_entries.numel():
-                p_key[fill.home_entries] = key_cache[fill.home_blocks]
-                p_value[fill.home_entries] = value_cache[fill.home_blocks]
-            if fill.entries.numel():
-                move_home_keys(self._layout(layer, key_cache), key_cache, fill.blocks,
-                               fill.offsets, rope, p_key, p_value, fill.entries, layer.isa,
-                               self.kv_cache_dtype)
-                p_value[fill.entries] = value_cache[fill.blocks]
+            if fill.copy_blocks.numel():
+                keys.index_copy_(0, fill.copy_dest, key_cache.index_select(0, fill.copy_blocks))
+            if fill.blocks.numel():
+                move_keys(self._layout(layer, key_cache), key_cache, fill, rope, keys)
         sub_out = torch.empty(batch.rows.numel(), *output.shape[1:], dtype=output.dtype)
-        self._attend(layer, query[batch.rows], p_key, p_value, sub_out,
+        self._attend(layer, query[batch.rows], keys, values, sub_out,
                      batch.query_start_loc, batch.seq_lens, batch.block_table,
                      batch.scheduler_metadata, causal, None)
         output[batch.rows] = sub_out
 
-    def _rotated_pool(self, blocks: int, num_kv_heads: int, block_size: int, head_size: int,
-                      dtype: torch.dtype) -> torch.Tensor:
-        """This layer's rotated-block pages ``[blocks, kv_heads, 2 * block_size, D]`` (K, V),
-        grown (contents kept) when the plan's pool is larger."""
-        pool = getattr(self, "_pool", None)
-        if pool is None or pool.shape[0] < blocks:
-            grown = torch.zeros(blocks, num_kv_heads, 2 * block_size, head_size, dtype=dtype)
-            if pool is not None:
-                grown[: pool.shape[0]] = pool
-            self._pool = pool = grown
-        return pool
+    def _key_shadow(self, key_cache: torch.Tensor) -> KeyShadow:
+        """This layer's key shadow, shaped like its cache (created at the first off-home read)."""
+        shadow = getattr(self, "_shadow", None)
+        blocks, heads, block_size, head_size = key_cache.shape
+        shape = (blocks, heads, 2 * block_size, head_size)
+        if shadow is None or not shadow.matches(shape, key_cache.dtype):
+            self._shadow = shadow = KeyShadow(shape, key_cache.dtype)
+        return shadow
 
     def _attend_torch(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, plan: StepPlan, causal: bool,
@@ -475,36 +485,52 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
 
-def move_home_keys(layout: cpu_kv_layout.PageLayout, key_cache: torch.Tensor,
-                   blocks: torch.Tensor, offsets: torch.Tensor, rope: torch.nn.Module,
-                   pool_keys: torch.Tensor, pool_values: torch.Tensor, entries: torch.Tensor,
-                   isa: str, kv_cache_dtype: str = "auto") -> None:
-    """Pool entries ``entries`` get the keys of ``blocks`` moved by ``offsets`` positions.
+def move_keys(layout: cpu_kv_layout.PageLayout, key_cache: torch.Tensor, fill: RotatedFill,
+              rope: torch.nn.Module, target: torch.Tensor, on_pages: bool | None = None) -> None:
+    """``target[fill.dest]`` = keys of ``fill.blocks`` moved by ``fill.offsets`` positions.
 
-    The blocks' home keys are read as token rows through the measured page layout, moved by
-    the model's own rotary op with a table of offsets (``kernels.offset_cos_sin_cache``: one
-    more rotation by the slot difference, the table's scale divided out) and packed into the
-    pool: by one transposing copy for the vector kernels' column-major key pages, else by vLLM's
-    writer, which needs values too (it gets the keys; the caller copies the blocks' values over
-    them).
+    One more rotation of the home keys by the offset, with the model's own rotary op and a table
+    of offsets (``kernels.offset_cos_sin_cache``: the table's scale divided out), written in the
+    page layout of vLLM's C++ kernel. Two ways, the same arithmetic element by element:
+
+    * **on the pages** (column-major key pages, neox pairing: the vector kernels' layout): a
+      page ``[D, bs]`` is one "head" of ``D * bs`` elements whose halves pair dim ``d`` with
+      ``d + rotary_dim / 2`` at every token, and the offset is the same for all tokens of a
+      block, so the op rotates the gathered pages in place with a table whose cos/sin repeat
+      each frequency ``bs`` times. Gather, rotate, scatter: three passes, no transposes.
+    * **on token rows** (any other layout, gptj pairing): the keys read as token rows through
+      the measured layout, rotated, then packed back by the layout's permutation.
+
+    ``on_pages``: force a way (None: on the pages whenever the layout and pairing allow).
     """
     num_kv_heads, block_size, head_size = key_cache.shape[1:]
-    keys = layout.token_keys(key_cache, blocks)  # [n * bs, heads * D]
-    table, shift = _offset_table(rope, keys.dtype)
-    ops.rotary_embedding((offsets + shift).repeat_interleave(block_size), keys, None,
-                         head_size, table, rope.is_neox_style)
-    count = blocks.numel()
-    if layout.column_major_keys():
-        # the vector kernels' key page is plain [D, bs]: packing is one transposing copy,
-        # and the values (copied by the caller) are not written twice
-        packed = keys.view(count, block_size, num_kv_heads, head_size).permute(0, 2, 3, 1)
-        pool_keys[entries] = packed.contiguous().view(count, num_kv_heads, block_size,
-                                                      head_size)
+    count = fill.blocks.numel()
+    table, shift = _offset_table(rope, key_cache.dtype)
+    if on_pages is None:
+        on_pages = layout.column_major_keys() and rope.is_neox_style
+    if on_pages:
+        if not (layout.column_major_keys() and rope.is_neox_style):
+            raise ValueError("rotating on the pages needs column-major key pages and neox "
+                             "pairing")
+        key = ("pages", key_cache.dtype, block_size)
+        if key not in fill.derived:
+            offsets, row_of = torch.unique(fill.offsets, return_inverse=True)
+            cos, sin = table[offsets + shift].chunk(2, dim=1)
+            page_table = torch.cat([cos.repeat_interleave(block_size, dim=1),
+                                    sin.repeat_interleave(block_size, dim=1)], dim=1)
+            fill.derived[key] = (page_table.contiguous(), row_of.repeat_interleave(num_kv_heads))
+        page_table, rows = fill.derived[key]
+        pages = key_cache.index_select(0, fill.blocks)  # [n, heads, bs, D]: [D, bs] pages
+        ops.rotary_embedding(rows, pages.view(count * num_kv_heads, -1), None,
+                             block_size * head_size, page_table, True)
+        target.index_copy_(0, fill.dest, pages)
         return
-    keys = keys.view(-1, num_kv_heads, head_size)
-    slots = (entries.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
-    ops.cpu_attn_reshape_and_cache(keys, keys, pool_keys, pool_values, slots, isa,
-                                   kv_cache_dtype=kv_cache_dtype)
+    keys = layout.token_keys(key_cache, fill.blocks)  # [n * bs, heads * D]
+    ops.rotary_embedding((fill.offsets + shift).repeat_interleave(block_size), keys, None,
+                         head_size, table, rope.is_neox_style)
+    plain = keys.view(count, block_size, num_kv_heads, head_size).transpose(1, 2)
+    packed = layout.packed_keys(plain).view(count, num_kv_heads, block_size, head_size)
+    target.index_copy_(0, fill.dest, packed)
 
 
 def _offset_table(rope: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, int]:

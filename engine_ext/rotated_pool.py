@@ -1,29 +1,38 @@
-"""The rotated-block pool: bounded memory for keys rotated at the slot a span is read at.
+"""The rotated-key pool: bounded memory for keys rotated at the slot a span is read at.
 
 A request that reads a cached block away from the slot it was written at (a span reused at a
-new offset) attends through pool entries: one per ``(table slot, physical block)``, holding that
-block's keys rotated for that slot plus its values, in the layout of vLLM's C++ CPU kernel
-(``engine_ext/rope_attention_backend.py``). An entry depends only on the block's content and the
-slot, so it serves every request and every later step that reads the block there; it dies when
-the block is written, or least recently used first when the pool is full.
+new offset) attends with that block's keys moved to the slot it is read at
+(``engine_ext/rope_attention_backend.py``). Those keys live in each layer's *key shadow*
+(``engine_ext/key_shadow.py``): a page per physical block, at the block's own index, with the
+KV cache's shape and strides, so vLLM's C++ kernel reads keys from the shadow and **values in
+place from the KV cache** with the request's own (physical) block table. Only keys are ever
+copied; the values, half of what the old pool copied, never move.
 
-**Memory.** The pool lives outside vLLM's KV tensors, so it must fit inside the memory the user
-configured: :func:`install_budget` wraps the CPU worker's ``determine_available_memory`` so the
-KV cache gets ``(1 - share)`` of the configured budget and the pool the rest
-(``MINIPIC_ROTATED_POOL_SHARE``, default 0.2). KV cache and pool together never exceed what the
-user configured. The pool's entry cap follows from its bytes; it is never below one request's
-longest table (``max_model_len / block_size``), so any single request fits.
+This module is the shadow's index, one per KV-cache group (all its layers share block ids and
+see the same step plan): which slot each block's shadow page holds, least recently used first,
+and the cap. A shadow page depends only on the block's content and the slot, so it serves every
+request and every later step that reads the block at that slot; it turns stale when the block is
+written, and is refilled (or its memory given back) later.
 
-**Hard cap.** The pool grows (doubling) only up to the cap. When the requests of one step read
-more distinct ``(slot, block)`` pairs than the cap, the step's off-home requests are split into
-chunks that each fit (``OffHomePlanner`` in the backend); each layer fills and attends chunk by
-chunk, so a later chunk may overwrite entries an earlier one used. Memory stays at the cap; the
-price is re-rotating those entries in the next step.
+**Memory.** The shadow is reserved address space; memory is committed only for the pages that
+are written, and given back (``madvise(MADV_DONTNEED)``) when a page is evicted. It must fit
+inside the memory the user configured: :func:`install_budget` wraps the CPU worker's
+``determine_available_memory`` so the KV cache gets ``(1 - share)`` of the configured budget and
+the pool the rest (``MINIPIC_ROTATED_POOL_SHARE``, default 0.2). KV cache and pool together
+never exceed what the user configured. The pool's cap (how many blocks may hold a shadow page)
+follows from its bytes; it is never below one request's longest table
+(``max_model_len / block_size``), so any single request fits.
+
+**One slot per block per kernel call.** A shadow page holds a block at one slot. When the
+requests of one step read the same block at two slots, or more distinct blocks than the cap,
+the step's off-home requests are split into chunks that each fit (``step_plan``); each layer
+fills and attends chunk by chunk, so a later chunk may refill pages an earlier one used. A single
+request that reads one block at two slots (the same document twice in a prompt) gets a private
+chunk: its keys *and* values copied into a scratch page set for that call only.
 
 **Release when idle.** vLLM's engine runs no step while idle, so the pool is released at the
 first step that reads nothing off home once ``idle_release_s`` passed since the last step that
-did (default 1 s): every entry dropped, capacity back to its initial size, and each layer frees
-its pages.
+did (default 1 s): every entry dropped and every layer gives its shadow's memory back.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ SHARE_ENV = "MINIPIC_ROTATED_POOL_SHARE"
 STATS_RPC = "minipic_rotated_pool_stats"  # worker method name for collective_rpc
 DEFAULT_SHARE = 0.2
 IDLE_RELEASE_S = 1.0
+STALE = -1  # a held page whose block was written since: committed memory, no valid slot
 
 # Worker-process facts, set once the worker has sized its memory (install_budget) and read by
 # the metadata builders, which are created after that.
@@ -46,34 +56,32 @@ _BUDGET: dict[str, Any] = {"pool_bytes": None}
 _POOLS: weakref.WeakSet[RotatedBlocks] = weakref.WeakSet()  # live pools of this worker
 
 
-class RotatedBlocks:
-    """Index of the pool: which entry holds which ``(slot, block)``; LRU order; the cap."""
+class PoolFull(RuntimeError):
+    """A chunk needs more pages than the cap (the planner must chunk below it)."""
 
-    def __init__(self, initial: int = 64, cap: int | None = None,
-                 entry_bytes: int = 0, idle_release_s: float = IDLE_RELEASE_S) -> None:
-        self.initial = initial
-        self.cap = cap  # None: unbounded (synthetic tests); else the most entries ever held
-        self.entry_bytes = entry_bytes  # bytes of one entry over all layers of the group
+
+class RotatedBlocks:
+    """Index of the key shadow: which slot each block's page holds; LRU order; the cap."""
+
+    def __init__(self, cap: int | None = None, entry_bytes: int = 0,
+                 idle_release_s: float = IDLE_RELEASE_S) -> None:
+        self.cap = cap  # None: unbounded (synthetic tests); else the most pages ever held
+        self.entry_bytes = entry_bytes  # bytes of one block's keys over all layers of the group
         self.idle_release_s = idle_release_s
-        self.peak_capacity = 0
+        self.held: OrderedDict[int, int] = OrderedDict()  # block -> slot (STALE), LRU first
+        self.peak_entries = 0
         self.releases = 0
         self.chunked_steps = 0
+        self.evictions = 0
+        self._evicted: list[int] = []  # pages to give back before the next fill
         self._last_used = time.monotonic()
-        self._reset(initial)
         _POOLS.add(self)
 
-    def _reset(self, capacity: int) -> None:
-        self.capacity = capacity if self.cap is None else min(capacity, self.cap)
-        self.entries: OrderedDict[tuple[int, int], int] = OrderedDict()  # LRU order
-        self.by_block: dict[int, set[int]] = {}  # physical block -> slots with an entry
-        self.free = list(range(self.capacity - 1, -1, -1))
-        self.peak_capacity = max(self.peak_capacity, self.capacity)
-
     def invalidate(self, blocks: list[int]) -> None:
-        """These blocks were written: every rotated copy of them is stale."""
+        """These blocks were written: their shadow pages are stale (memory still held)."""
         for block in blocks:
-            for slot in self.by_block.pop(block, ()):
-                self.free.append(self.entries.pop((slot, block)))
+            if block in self.held:
+                self.held[block] = STALE
 
     def note_step(self, used: bool) -> bool:
         """Record whether this step reads off home; True when the pool was just released."""
@@ -81,50 +89,57 @@ class RotatedBlocks:
         if used:
             self._last_used = now
             return False
-        if self.entries and now - self._last_used >= self.idle_release_s:
+        if self.held and now - self._last_used >= self.idle_release_s:
             self.releases += 1
-            self._reset(self.initial)
+            self.held.clear()
+            self._evicted.clear()  # the layers give every page back
             return True
         return False
 
-    def _evict_or_grow(self, in_use: set[tuple[int, int]]) -> int:
-        """The least recently used entry no one in this chunk needs; else grow (up to the cap)."""
-        for key in self.entries:
-            if key not in in_use:
-                entry = self.entries.pop(key)
-                slots = self.by_block[key[1]]
-                slots.discard(key[0])
-                if not slots:
-                    del self.by_block[key[1]]
-                return entry
-        if self.cap is not None and self.capacity >= self.cap:
-            raise RuntimeError(f"rotated-block pool: all {self.capacity} entries in use "
-                               f"(the planner must chunk the step below the cap)")
-        grown = self.capacity * 2 if self.cap is None else min(self.capacity * 2, self.cap)
-        self.free = list(range(grown - 1, self.capacity, -1))
-        entry, self.capacity = self.capacity, grown
-        self.peak_capacity = max(self.peak_capacity, self.capacity)
-        return entry
+    def _evict(self, in_use: dict[int, int]) -> None:
+        """Drop the least recently used page no one in this chunk needs."""
+        for block in self.held:
+            if block not in in_use:
+                del self.held[block]
+                self._evicted.append(block)
+                self.evictions += 1
+                return
+        raise PoolFull(f"rotated-key pool: all {len(self.held)} pages in use (the planner "
+                       "must chunk the step below the cap)")
 
-    def lookup(self, key: tuple[int, int], in_use: set[tuple[int, int]]) -> tuple[int, bool]:
-        """Pool entry for ``key`` and whether it must be filled in this step."""
-        in_use.add(key)
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-            return entry, False
-        entry = self.free.pop() if self.free else self._evict_or_grow(in_use)
-        self.entries[key] = entry
-        self.by_block.setdefault(key[1], set()).add(key[0])
-        return entry, True
+    def lookup(self, block: int, slot: int, in_use: dict[int, int]) -> bool:
+        """Claim ``block``'s shadow page for ``slot`` in this chunk; True when it must be filled.
+
+        ``in_use`` maps the chunk's blocks to the slot each is read at; a block the chunk
+        already reads at another slot is the planner's error (it splits such requests).
+        """
+        claimed = in_use.setdefault(block, slot)
+        if claimed != slot:
+            raise ValueError(f"block {block} read at slots {claimed} and {slot} in one chunk")
+        held = self.held.get(block)
+        if held is not None:
+            self.held.move_to_end(block)
+            if held == slot:
+                return False
+        elif self.cap is not None and len(self.held) >= self.cap:
+            self._evict(in_use)
+        self.held[block] = slot
+        self.peak_entries = max(self.peak_entries, len(self.held))
+        return True
+
+    def take_evicted(self) -> list[int]:
+        """Blocks evicted since the last call, whose pages every layer must give back."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def stats(self) -> dict[str, Any]:
         return {
-            "entries": len(self.entries), "capacity": self.capacity, "cap": self.cap,
-            "bytes": self.capacity * self.entry_bytes,
-            "peak_bytes": self.peak_capacity * self.entry_bytes,
+            "entries": len(self.held), "cap": self.cap,
+            "bytes": len(self.held) * self.entry_bytes,
+            "peak_bytes": self.peak_entries * self.entry_bytes,
             "cap_bytes": None if self.cap is None else self.cap * self.entry_bytes,
             "releases": self.releases, "chunked_steps": self.chunked_steps,
+            "evictions": self.evictions,
         }
 
 
@@ -173,11 +188,11 @@ def install_budget() -> None:
 def rotated_pool_stats(_worker: Any = None) -> dict[str, Any]:
     """This worker's pools summed (for ``collective_rpc``; the worker argument is unused)."""
     totals: dict[str, Any] = {"pools": len(_POOLS), "bytes": 0, "peak_bytes": 0,
-                              "cap_bytes": 0, "releases": 0, "chunked_steps": 0,
+                              "cap_bytes": 0, "releases": 0, "chunked_steps": 0, "evictions": 0,
                               "budget_bytes": _BUDGET["pool_bytes"]}
     for pool in _POOLS:
         s = pool.stats()
-        for key in ("bytes", "peak_bytes", "releases", "chunked_steps"):
+        for key in ("bytes", "peak_bytes", "releases", "chunked_steps", "evictions"):
             totals[key] += s[key]
         totals["cap_bytes"] += s["cap_bytes"] or 0
     return totals

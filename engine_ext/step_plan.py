@@ -8,20 +8,22 @@ runs it):
   keys were rotated at, ``HomeSlots``): a request reading every block at home runs vLLM's own
   kernel on the stock page unchanged, and a block read elsewhere is rotated by the slot
   difference;
-* the requests that read some block off home, with a block table into the rotated-block pool
-  (``engine_ext/rotated_pool.py``) and the entries to (re)build this step, in chunks that fit the
-  pool's cap;
+* the requests that read some block off home, with the key-shadow pages to (re)build this step
+  (``engine_ext/rotated_pool.py`` indexes them), in chunks that read each block at one slot and
+  fit the pool's cap;
 * span isolation (``engine_ext/span_isolation.py``): each run of a request's queries with one
   ``key_start`` becomes its own kernel row whose table starts at that key's block.
 
 Invariants: a block is written by one request at one table slot per step (only full blocks are
-shared), so one home slot per block describes the keys of every layer of the group; a pool
-entry depends only on (slot, block content), so it is valid until its block is written; kernel
+shared), so one home slot per block describes the keys of every layer of the group; a shadow
+page depends only on (slot, block content), so it is valid until its block is written; a kernel
+call reads each block at one slot (its chunk's shadow page) or from private scratch; kernel
 rows keep the step's token order, so query rows need no permutation. Pure torch: no vLLM import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,7 +39,7 @@ class SubBatch:
     rows: torch.Tensor  # [T] int64: query rows of these requests in the step's batch
     query_start_loc: torch.Tensor  # [S + 1] int32, local
     seq_lens: torch.Tensor  # [S] int32
-    block_table: torch.Tensor  # [S, max_blocks] int32 (physical, or into the rotated pool)
+    block_table: torch.Tensor  # [S, max_blocks] int32 (physical, or a private chunk's scratch)
     scheduler_metadata: torch.Tensor | None  # C++ kernel work split for this sub-batch
 
 
@@ -45,14 +47,17 @@ class SubBatch:
 class OffHomeBatch(SubBatch):
     """The requests of one step that read some block away from its home slot.
 
-    ``block_table`` indexes the rotated-block pool (``RotatedBlocks``), which holds each
-    (table slot, physical block) pair these requests read, keys rotated for that slot.
+    Their keys come from the layer's key shadow (``engine_ext/key_shadow.py``), where each block
+    read sits at its own index moved to the slot it is read at, and their values from the KV
+    cache in place, so ``block_table`` is the physical one. A *private* chunk (a request reading
+    one block at two slots) instead attends a scratch copy of its ``scratch_pages`` pages, keys
+    and values, and ``block_table`` indexes that copy.
     """
 
-    fill: RotatedFill | None  # pool entries to (re)build in this step, after the writes
-    pool_blocks: int  # pool size every layer must have
+    fill: RotatedFill | None  # key pages to (re)build before attending, after the writes
+    release: list[int]  # shadow pages to give back before the fill (evicted blocks)
+    scratch_pages: int  # 0: keys from the shadow; else a private chunk's page count
     global_block_table: torch.Tensor  # [S, max_blocks] int32, physical (torch path)
-
 
 
 class HomeSlots:
@@ -118,18 +123,21 @@ class HomeSlots:
 
 @dataclass
 class RotatedFill:
-    """Pool entries a step (re)builds: ``pool[entry] = block`` rotated for table slot ``slot``.
+    """Key pages a chunk (re)builds: ``target[dest] = keys of block`` moved to the read slot.
 
-    Entries whose block is read at its home slot are copied from the cache (its keys are
-    already rotated there); the others get the block's home keys rotated by ``offsets``, the
-    slot difference in tokens (``(slot - home) * block_size``, the same for every key of it).
+    The target is the key shadow (``dest`` = the blocks themselves) or a private chunk's scratch
+    pages (``dest`` = table columns). Blocks read at their home slot are copied (their keys are
+    already rotated there); the others get their home keys rotated by ``offsets``, the slot
+    difference in tokens (``(slot - home) * block_size``, the same for every key of a block).
     """
 
-    home_entries: torch.Tensor  # [H] int64 pool entries copied from the cache
-    home_blocks: torch.Tensor  # [H] int64 their physical blocks
-    entries: torch.Tensor  # [F] int64 pool entries rotated from home keys
-    blocks: torch.Tensor  # [F] int64 their physical blocks
+    copy_blocks: torch.Tensor  # [H] int64 blocks whose keys are copied
+    copy_dest: torch.Tensor  # [H] int64 where
+    blocks: torch.Tensor  # [F] int64 blocks whose home keys are rotated
     offsets: torch.Tensor  # [F] int64 positions to move each block's keys by
+    dest: torch.Tensor  # [F] int64 where
+    # per (dtype, block size): tables the layers derive from ``offsets`` once per step
+    derived: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -142,8 +150,8 @@ class StepPlan:
     write_blocks: torch.Tensor  # [W] int64 physical block of each slot
     write_offsets: torch.Tensor  # [W] int64 offset in block
     write_positions: torch.Tensor  # [W] int64 logical positions of those rows
-    # requests that read some block off its home slot, in chunks that each fit the
-    # rotated-block pool's cap (one chunk unless a step reads more than the cap)
+    # requests that read some block off its home slot, in chunks that each read a block at one
+    # slot and fit the pool's cap (one chunk unless the step's requests disagree or exceed it)
     off_home_chunks: list[OffHomeBatch]
     home: SubBatch | None  # with off_home: the other requests (None: every request is home)
     key_start: torch.Tensor | None = None  # [num_tokens] first visible key (None: causal)
@@ -203,7 +211,7 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     home.record_writes(blocks, write_positions, block_size)
     rotated = rotated if rotated is not None else RotatedBlocks()
-    if rotated.by_block:  # an empty pool has nothing to invalidate (every PIC-off step)
+    if rotated.held:  # an empty pool has nothing to invalidate (every PIC-off step)
         rotated.invalidate(blocks.unique().tolist())
     offset = None
     if (key_start is not None or gapped) and path != "torch":
@@ -240,28 +248,38 @@ def _off_home_chunks(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
                      block_table: torch.Tensor, block_size: int, home: HomeSlots,
                      rotated: RotatedBlocks, scheduler_metadata: ScheduleFn | None,
                      slot_offset: list[int] | None) -> list[OffHomeBatch]:
-    """The off-home requests in chunks whose distinct ``(slot, block)`` pairs fit the pool's
-    cap (``engine_ext/rotated_pool.py``); one chunk when there is no cap or it all fits."""
+    """The off-home requests in chunks that each read every block at one slot and hold at most
+    the pool's cap of blocks (``engine_ext/rotated_pool.py``); one chunk in the usual case.
+    A request that reads one block at two slots gets a private chunk."""
     lens = seq_lens.tolist()
-    # Upper bound first (every step of a decode runs this): no set building when all fits.
-    if rotated.cap is None or sum(-(-lens[i] // block_size) for i in reqs) <= rotated.cap:
-        return [_off_home_batch(reqs, qsl, seq_lens, block_table, block_size, home, rotated,
-                                scheduler_metadata, slot_offset)]
-    groups: list[list[int]] = [[]]
-    seen: set[tuple[int, int]] = set()
+    groups: list[list[int]] = []
+    private: list[int] = []
+    claimed: dict[int, int] = {}  # block -> slot read at, in the chunk being built
     for i in reqs:
         n = -(-lens[i] // block_size)
         shift = slot_offset[i] if slot_offset is not None else 0
-        keys = {(shift + col, int(b)) for col, b in enumerate(block_table[i, :n].tolist())}
-        if groups[-1] and len(seen | keys) > rotated.cap:
-            groups.append([])
-            seen = set()
-        groups[-1].append(i)
-        seen |= keys
-    if len(groups) > 1:
+        need: dict[int, int] = {}
+        for col, block in enumerate(block_table[i, :n].tolist()):
+            if need.setdefault(block, shift + col) != shift + col:
+                private.append(i)  # the same block at two slots of one row
+                break
+        else:
+            if groups and (any(claimed.get(b, s) != s for b, s in need.items())
+                           or (rotated.cap is not None
+                               and len(claimed.keys() | need.keys()) > rotated.cap)):
+                groups.append([])
+                claimed = {}
+            if not groups:
+                groups.append([])
+            groups[-1].append(i)
+            claimed.update(need)
+    if len(groups) + len(private) > 1:
         rotated.chunked_steps += 1
-    return [_off_home_batch(g, qsl, seq_lens, block_table, block_size, home, rotated,
-                            scheduler_metadata, slot_offset) for g in groups]
+    chunks = [_off_home_batch(g, qsl, seq_lens, block_table, block_size, home, rotated,
+                              scheduler_metadata, slot_offset) for g in groups]
+    chunks += [_private_batch(i, qsl, seq_lens, block_table, block_size, home,
+                              scheduler_metadata, slot_offset) for i in private]
+    return chunks
 
 
 def _isolated_rows(qsl: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -272,7 +290,7 @@ def _isolated_rows(qsl: torch.Tensor, seq_lens: torch.Tensor, block_table: torch
 
     Row ``k`` covers keys ``key_start .. last query of the run``: its table is the request's
     table from block ``key_start // block_size`` on, its length counts from ``key_start``, and
-    ``offset[k]`` says which table slot its column 0 is (home slots and rotated-pool entries
+    ``offset[k]`` says which table slot its column 0 is (home slots and shadow pages
     stay keyed by the true slot). Returns ``(qsl, seq_lens, block_table, offset)``.
     """
     num_tokens = positions.numel()
@@ -334,51 +352,70 @@ def _off_home_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, block_size: int, home: HomeSlots,
                     rotated: RotatedBlocks, scheduler_metadata: ScheduleFn | None,
                     slot_offset: list[int] | None = None) -> OffHomeBatch:
-    """The off-home requests with a block table into the rotated pool, and what to fill.
+    """Off-home requests that read each block at one slot: which shadow pages to (re)build.
 
     ``slot_offset[i]``: the true table slot of column 0 of row ``i`` (isolated rows).
     """
     base = _sub_batch(reqs, qsl, seq_lens, block_table, scheduler_metadata)
     lens = seq_lens.tolist()
     width = max(-(-lens[i] // block_size) for i in reqs)
-    table = torch.zeros(len(reqs), width, dtype=torch.int32)
     table_blocks = block_table[reqs, :width].long()
     physical = table_blocks.tolist()
     home_of = home.slots_of(table_blocks).tolist()  # only the blocks read
-    in_use: set[tuple[int, int]] = set()
-    home_fill: list[tuple[int, int]] = []
-    rot_fill: list[tuple[int, int, int]] = []  # entry, block, offset in tokens
+    in_use: dict[int, int] = {}
+    copies: list[int] = []
+    moves: list[tuple[int, int]] = []  # block, offset in tokens
     for r, i in enumerate(reqs):
-        n = -(-lens[i] // block_size)
         shift = slot_offset[i] if slot_offset is not None else 0
-        row = []
-        for col in range(n):
+        for col in range(-(-lens[i] // block_size)):
             block, slot = physical[r][col], shift + col
-            entry, fill = rotated.lookup((slot, block), in_use)
-            row.append(entry)
-            if fill:
-                if home_of[r][col] == slot:
-                    home_fill.append((entry, block))
-                elif home_of[r][col] < 0:
-                    raise RuntimeError(f"minipic: block {block} is read at slot {slot} but was "
-                                       "never written by this worker (no home slot)")
+            if rotated.lookup(block, slot, in_use):
+                at = _home_slot(home_of[r][col], block, slot)
+                if at == slot:
+                    copies.append(block)
                 else:
-                    rot_fill.append((entry, block, (slot - home_of[r][col]) * block_size))
-        table[r, :n] = torch.tensor(row, dtype=torch.int32)
+                    moves.append((block, (slot - at) * block_size))
+    fill = None
+    if copies or moves:
+        copy = torch.tensor(copies, dtype=torch.long)
+        moved = torch.tensor([b for b, _ in moves], dtype=torch.long)
+        fill = RotatedFill(copy_blocks=copy, copy_dest=copy, blocks=moved,
+                           offsets=torch.tensor([o for _, o in moves], dtype=torch.long),
+                           dest=moved)
     return OffHomeBatch(
         rows=base.rows, query_start_loc=base.query_start_loc, seq_lens=base.seq_lens,
-        block_table=table, scheduler_metadata=base.scheduler_metadata,
-        fill=_fill(home_fill, rot_fill) if home_fill or rot_fill else None,
-        pool_blocks=rotated.capacity, global_block_table=base.block_table,
+        block_table=base.block_table, scheduler_metadata=base.scheduler_metadata,
+        fill=fill, release=rotated.take_evicted(), scratch_pages=0,
+        global_block_table=base.block_table,
     )
 
 
-def _fill(home_fill: list[tuple[int, int]], rot_fill: list[tuple[int, int, int]]
-          ) -> RotatedFill:
-    def column(rows: list[tuple[int, ...]], k: int) -> torch.Tensor:
-        return torch.tensor([row[k] for row in rows], dtype=torch.long)
-
-    return RotatedFill(
-        home_entries=column(home_fill, 0), home_blocks=column(home_fill, 1),
-        entries=column(rot_fill, 0), blocks=column(rot_fill, 1), offsets=column(rot_fill, 2),
+def _private_batch(i: int, qsl: torch.Tensor, seq_lens: torch.Tensor,
+                   block_table: torch.Tensor, block_size: int, home: HomeSlots,
+                   scheduler_metadata: ScheduleFn | None,
+                   slot_offset: list[int] | None) -> OffHomeBatch:
+    """A request reading one block at two slots: every column gets its own scratch page (keys
+    moved to the column's slot, values copied), for this call only; the shadow is untouched."""
+    base = _sub_batch([i], qsl, seq_lens, block_table, scheduler_metadata)
+    n = -(-int(seq_lens[i]) // block_size)
+    shift = slot_offset[i] if slot_offset is not None else 0
+    blocks = block_table[i, :n].long()
+    homes = home.slots_of(blocks).tolist()
+    offsets = [(shift + col - _home_slot(at, int(b), shift + col)) * block_size
+               for col, (at, b) in enumerate(zip(homes, blocks.tolist(), strict=True))]
+    empty = torch.zeros(0, dtype=torch.long)
+    fill = RotatedFill(copy_blocks=empty, copy_dest=empty, blocks=blocks,
+                       offsets=torch.tensor(offsets, dtype=torch.long), dest=torch.arange(n))
+    return OffHomeBatch(
+        rows=base.rows, query_start_loc=base.query_start_loc, seq_lens=base.seq_lens,
+        block_table=torch.arange(n, dtype=torch.int32).unsqueeze(0),
+        scheduler_metadata=base.scheduler_metadata, fill=fill, release=[], scratch_pages=n,
+        global_block_table=base.block_table,
     )
+
+
+def _home_slot(at: int, block: int, slot: int) -> int:
+    if at < 0:
+        raise RuntimeError(f"minipic: block {block} is read at slot {slot} but was never "
+                           "written by this worker (no home slot)")
+    return at

@@ -78,10 +78,11 @@ TARGETS: tuple[tuple[str, str], ...] = (
     ("attn.layer", "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"),
     ("attn.write", f"{_RB}:MinipicCPUAttentionImpl._write"),
     ("attn.off_home", f"{_RB}:MinipicCPUAttentionImpl._attend_off_home"),
-    ("attn.pool_pages", f"{_RB}:MinipicCPUAttentionImpl._rotated_pool"),
+    ("attn.shadow_pages", f"{_RB}:MinipicCPUAttentionImpl._key_shadow"),
+    ("attn.shadow_pages", "engine_ext.key_shadow:KeyShadow.release"),
     ("attn.rotate", f"{_RB}:_rotate"),
     ("attn.rotate", f"{_RB}:rotate_by_offset"),  # a layout that moves home keys by an offset
-    ("attn.move_keys", f"{_RB}:move_home_keys"),
+    ("attn.move_keys", f"{_RB}:move_keys"),
     ("attn.gather_keys", "engine_ext.cpu_kv_layout:PageLayout.token_keys"),
     ("attn.rotate", "vllm._custom_ops:rotary_embedding"),  # queries too (model forward)
     ("attn.kernel", "vllm._custom_ops:cpu_attention_with_kv_cache"),

@@ -171,7 +171,7 @@ def test_cpu_backend_computes_three_holes_in_one_step(path: str, seed: int,
                                   _k_scale_float=1.0, _v_scale_float=1.0)
     kv_cache = torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype)
     home = HomeSlots(16)
-    rotated = rab.RotatedBlocks(initial=2)
+    rotated = rab.RotatedBlocks()
     plans = []
 
     def schedule(qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -807,3 +807,70 @@ def test_cpu_kv_layout_round_trips_vllm_writer(seed: int) -> None:
                 assert rows.is_contiguous(), what
                 want = keys.view(3, block, 2 * head)[blocks].reshape(-1, 2 * head)
                 assert torch.equal(rows, want), what
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_move_keys_into_the_shadow_equals_rotating_once(case: str, dtype: torch.dtype,
+                                                        vllm_get_rope, seed: int) -> None:
+    """The off-home fill (``rope_attention_backend.move_keys``): keys vLLM's writer cached
+    rotated at their home, moved into a target page set (the key shadow) by a per-block
+    offset, read back through the measured layout, equal the keys rotated once at the read
+    position, for every rotary variant. Rotating on the pages (column-major keys, neox) and on
+    token rows are the same arithmetic: bit-identical wherever both apply. Values and the
+    target's other pages are not touched."""
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+    from vllm import _custom_ops as ops
+
+    from engine_ext.cpu_kv_layout import probe
+    from engine_ext.rope_attention_backend import move_keys
+    from engine_ext.step_plan import RotatedFill
+
+    gen = _gen(seed)
+    rope = vllm_get_rope(dtype=dtype, **ROPE_CASES[case])
+    head, heads, block, num_blocks = rope.head_size, 2, 32, 12
+    isa = cpu_attn._get_attn_isa(dtype, block, head)
+    layout = probe(isa, dtype, block, head)
+    max_pos = rope.cos_sin_cache.shape[0]
+    home_slot = torch.randint(0, max_pos // block, (num_blocks,), generator=gen)
+    k = torch.randn(num_blocks * block, heads, head, generator=gen)
+    v = torch.randn(num_blocks * block, heads, head, generator=gen).to(dtype)
+    home = (home_slot.unsqueeze(1) * block + torch.arange(block)).flatten()
+
+    def native(pos: torch.Tensor) -> torch.Tensor:
+        return rope.forward_native(pos, k.reshape(k.shape[0], -1).to(dtype).clone(),
+                                   None)[0].view_as(k)
+
+    cache = torch.zeros(num_blocks, heads, 2 * block, head, dtype=dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(native(home), v, key_cache, value_cache,
+                                   torch.arange(num_blocks * block), isa)
+    blocks = torch.randperm(num_blocks, generator=gen)[: num_blocks // 2]
+    read_slot = torch.randint(0, max_pos // block, (blocks.numel(),), generator=gen)
+    offsets = (read_slot - home_slot[blocks]) * block
+    dest = torch.randperm(num_blocks, generator=gen)[: blocks.numel()]
+    moved = {}
+    for on_pages in (False, True):
+        if on_pages and not (layout.column_major_keys() and rope.is_neox_style):
+            continue
+        target = torch.full_like(cache, 7.0)
+        fill = RotatedFill(copy_blocks=torch.zeros(0, dtype=torch.long),
+                           copy_dest=torch.zeros(0, dtype=torch.long), blocks=blocks,
+                           offsets=offsets, dest=dest)
+        move_keys(layout, key_cache, fill, rope, target.chunk(2, dim=2)[0], on_pages)
+        others = torch.ones(num_blocks, dtype=torch.bool)
+        others[dest] = False
+        assert bool((target[others] == 7.0).all()) and bool((target[:, :, block:] == 7.0).all())
+        moved[on_pages] = layout.plain_keys(target.chunk(2, dim=2)[0][dest])
+    want_pos = (read_slot.unsqueeze(1) * block + torch.arange(block)).flatten()
+    want = native(torch.zeros(num_blocks * block, dtype=torch.long).index_copy(
+        0, (blocks.unsqueeze(1) * block + torch.arange(block)).flatten(), want_pos))
+    want = want.view(num_blocks, block, heads, head)[blocks].transpose(1, 2)
+    if True in moved:
+        assert torch.equal(moved[True], moved[False]), f"{case}: the two ways differ"
+    scale = float(want.float().abs().max())
+    # fp32: the table's own angle error, as in test_rotate_by_offset_equals_rotating_once;
+    # bf16: the moved key is rounded twice (at write, after the move) where once rounds once
+    tol = max_pos * 2.0**-23 if dtype == torch.float32 else 2.0**-6
+    err = float((moved[False].float() - want.float()).abs().max()) / scale
+    assert err < tol, f"{case} {dtype}: moved vs rotated once differ by {err:.2e} (seed={seed})"

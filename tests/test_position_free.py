@@ -26,6 +26,7 @@ rotated keys at a new offset is off by 0.12-0.23).
 
 from __future__ import annotations
 
+import os
 import random
 import types
 from collections.abc import Iterator
@@ -254,21 +255,38 @@ SCENARIO = [
 ]
 
 
+# B and C contain S after the blocks that precede it in their tables
+SCENARIO_REUSE = {2: {"B": ["B", "S"], "C": ["S"]}}
+# D = [own block][S][S][10 new]: one request reads S's blocks at two offsets each (a document
+# twice in one prompt), next to C reading S at home; then both decode
+SCENARIO_TWICE = [
+    [("S", [5, 9], 64), ("X", [2], 20)],
+    [("D", [7], 32)],
+    [("D", [7, 5, 9, 5, 9, 3], 10), ("C", [5, 9, 11], 5)],
+    [("D", [7, 5, 9, 5, 9, 3], 1), ("C", [5, 9, 11], 1)],
+]
+SCENARIO_TWICE_REUSE = {2: {"D": ["D", "S", "S"], "C": ["S"]}}
+
+
 def _run_scenario(attend, rope, dtype: torch.dtype, gen: torch.Generator, tol: float,
-                  what: str) -> list:
-    """Feed SCENARIO to ``attend(query, key, value, qsl, seq_lens, table, slots, positions)``
-    and compare each step with ``kernels.dense_attention_ref`` on contiguous logical keys."""
+                  what: str, scenario: list | None = None, reuse: dict | None = None) -> list:
+    """Feed ``scenario`` (default SCENARIO) to ``attend(query, key, value, qsl, seq_lens,
+    table, slots, positions)`` and compare each step with ``kernels.dense_attention_ref`` on
+    contiguous logical keys. ``reuse[step][name]``: the sequences whose keys ``name`` holds
+    before that step's new tokens (its table reads their blocks)."""
     from kernels import dense_attention_ref
 
+    scenario = SCENARIO if scenario is None else scenario
+    reuse = SCENARIO_REUSE if reuse is None else reuse
     logical: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     results = []
-    for step, reqs in enumerate(SCENARIO):
-        if step == 2:  # B and C contain S after the blocks that precede it in their tables
-            logical["B"] = tuple(torch.cat(kv) for kv in zip(logical["B"], logical["S"],
-                                                                   strict=True))
-            logical["C"] = logical["S"]
+    width = max(len(blocks) for reqs in scenario for _, blocks, _ in reqs)
+    for step, reqs in enumerate(scenario):
+        for name, parts in reuse.get(step, {}).items():
+            logical[name] = tuple(torch.cat(kv) for kv in zip(*(logical[p] for p in parts),
+                                                               strict=True))
         q_lens, seq_lens, slots, positions = [], [], [], []
-        table = torch.zeros(len(reqs), 4, dtype=torch.int32)
+        table = torch.zeros(len(reqs), width, dtype=torch.int32)
         keys, values, queries = [], [], []
         for r, (name, blocks, n) in enumerate(reqs):
             k_new = torch.randn(n, KV_HEADS, HEAD, generator=gen).to(dtype)
@@ -320,37 +338,64 @@ def test_cpu_backend_paths_match_dense_reference(path: str, dtype: torch.dtype, 
     """
     from engine_ext import rope_attention_backend as rab
 
-    rotated = rab.RotatedBlocks(initial=2)  # small: the pool must grow, keeping its contents
+    rotated = rab.RotatedBlocks()
     plans = _cpu_backend_scenario(path, dtype, seed, monkeypatch, rotated)
-    off_home = plans[2].off_home
-    assert off_home is not None and len(plans[2].off_home_chunks) == 1
-    assert off_home.seq_lens.tolist() == ([106] if path == "auto" else [106, 69])
+    chunks = plans[2].off_home_chunks
+    if path == "auto":
+        assert [c.seq_lens.tolist() for c in chunks] == [[106]]
+    else:  # B reads S at slots 1-2, C at its home 0-1: one shadow page per block and call
+        assert [c.seq_lens.tolist() for c in chunks] == [[106], [69]]
+        assert rotated.chunked_steps == 3
     if path != "torch":
         # step 3 builds every block the off-home requests read; a decode step rebuilds only
-        # the blocks it writes (B's block 3, and C's block 11 when C is off home too)
-        built = [0 if p.off_home is None or p.off_home.fill is None else
-                 p.off_home.fill.home_entries.numel() + p.off_home.fill.entries.numel()
-                 for p in plans[2:]]
-        assert built[0] >= 4 and built[1:] == ([1, 1] if path == "auto" else [2, 2]), built
-        assert plans[-1].off_home.pool_blocks >= (4 if path == "auto" else 7)
+        # the blocks it writes (B's block 3, and C's block 11 when C is off home too); with
+        # ``scratch`` the second chunk re-reads S at C's slots, so S is rebuilt each step
+        built = [sum(c.fill.copy_blocks.numel() + c.fill.blocks.numel()
+                     for c in p.off_home_chunks if c.fill is not None) for p in plans[2:]]
+        assert built == ([4, 1, 1] if path == "auto" else [6, 6, 6]), built
+        assert all(c.scratch_pages == 0 and c.block_table.equal(c.global_block_table)
+                   for p in plans for c in p.off_home_chunks)
+        assert len(rotated.held) == (4 if path == "auto" else 6)  # scratch: X too
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("path", ["auto", "scratch"])
+def test_request_reading_a_block_at_two_slots_gets_a_private_chunk(path: str, seed: int,
+                                                                    monkeypatch) -> None:
+    """D holds S twice (the same physical blocks at slots 1-2 and 3-4): one shadow page per
+    block cannot serve both, so D attends a private scratch copy, still equal to the dense
+    reference, and the shadow's index is left alone by it."""
+    from engine_ext import rope_attention_backend as rab
+
+    rotated = rab.RotatedBlocks()
+    plans = _cpu_backend_scenario(path, torch.float32, seed, monkeypatch, rotated,
+                                  SCENARIO_TWICE, SCENARIO_TWICE_REUSE)
+    for plan in plans[2:]:
+        private = [c for c in plan.off_home_chunks if c.scratch_pages]
+        assert len(private) == 1 and private[0].scratch_pages == 6
+        assert private[0].block_table.tolist() == [list(range(6))]
+        assert private[0].fill.offsets.tolist() == [0, BLOCK, BLOCK, 3 * BLOCK, 3 * BLOCK, 0]
+    assert set(rotated.held) == (set() if path == "auto" else {2, 5, 7, 9, 11})
 
 
 @pytest.mark.fast
 def test_rotated_pool_cap_chunks_the_step_and_stays_exact(seed: int, monkeypatch) -> None:
     """A pool capped below one step's working set (B reads 4 blocks, C 3, all off home with
-    ``scratch``): the step is split in chunks, the pool never exceeds its cap, and every step
-    still equals the dense reference."""
+    ``scratch``): the step is split in chunks, the pool never holds more than its cap (evicted
+    pages are given back before the next chunk fills), and every step still equals the dense
+    reference."""
     from engine_ext import rope_attention_backend as rab
 
-    rotated = rab.RotatedBlocks(initial=2, cap=4)
+    rotated = rab.RotatedBlocks(cap=4)
     plans = _cpu_backend_scenario("scratch", torch.float32, seed, monkeypatch, rotated)
     assert [len(p.off_home_chunks) for p in plans[2:]] == [2, 2, 2]
-    assert rotated.peak_capacity == 4 and rotated.chunked_steps == 3
-    assert all(c.pool_blocks <= 4 for p in plans for c in p.off_home_chunks)
+    assert rotated.peak_entries == 4 and rotated.chunked_steps == 3
+    assert rotated.evictions >= 3 and all(p.off_home_chunks[1].release for p in plans[2:])
 
 
 def _cpu_backend_scenario(path: str, dtype: torch.dtype, seed: int, monkeypatch,
-                          rotated) -> list:
+                          rotated, scenario: list | None = None,
+                          reuse: dict | None = None) -> list:
     import vllm._custom_ops as ops
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
 
@@ -389,7 +434,8 @@ def _cpu_backend_scenario(path: str, dtype: torch.dtype, seed: int, monkeypatch,
 
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     gen = torch.Generator().manual_seed(seed)
-    return _run_scenario(attend, rope, dtype, gen, tol, f"path={path}, seed={seed}")
+    return _run_scenario(attend, rope, dtype, gen, tol, f"path={path}, seed={seed}", scenario,
+                         reuse)
 
 
 @pytest.mark.fast
@@ -495,39 +541,68 @@ def test_install_is_idempotent() -> None:
 
 
 @pytest.mark.fast
-def test_rotated_blocks_pool_reuse_invalidation_and_growth(seed: int) -> None:
-    """The rotated-block pool: an entry per (slot, block), reused until its block is written,
-    least recently used evicted first, never one a step still needs, grown when all are."""
-    from engine_ext.rope_attention_backend import RotatedBlocks
+def test_rotated_blocks_index_reuse_invalidation_eviction_and_release(seed: int) -> None:
+    """The key shadow's index: a page per block, holding one slot; reused until its block is
+    written, least recently used evicted first (never one the chunk still needs), the evicted
+    pages handed to the layers once, everything dropped when idle."""
+    from engine_ext.rotated_pool import STALE, PoolFull, RotatedBlocks
 
     rng = random.Random(seed)
-    pool = RotatedBlocks(initial=4)
-    in_use: set[tuple[int, int]] = set()
-    keys = [(rng.randrange(8), b) for b in rng.sample(range(100), 4)]
-    first = [pool.lookup(k, in_use) for k in keys]
-    assert all(fill for _, fill in first) and sorted(e for e, _ in first) == [0, 1, 2, 3]
-    # next step: the same keys are hits, a fifth evicts the least recently used of the others
-    in_use = set()
-    assert [pool.lookup(k, in_use) for k in keys[1:]] == [(e, False) for e, _ in first[1:]]
-    entry, fill = pool.lookup((9, 1000), in_use)
-    assert fill and entry == first[0][0] and keys[0] not in pool.entries
-    # writing a block kills all its copies; the freed entry is reused
-    pool.invalidate([keys[1][1]])
-    assert keys[1] not in pool.entries
-    in_use = set()
-    assert pool.lookup((5, 2000), in_use) == (first[1][0], True)
-    # a step needing more than the pool holds grows it and keeps every entry distinct
-    in_use = set()
-    got = [pool.lookup((s, 3000 + s), in_use)[0] for s in range(6)]
-    assert len(set(got)) == 6 and pool.capacity >= 6
+    pool = RotatedBlocks(cap=4)
+    blocks = rng.sample(range(100), 5)
+    slots = {b: rng.randrange(8) for b in blocks}
+    in_use: dict[int, int] = {}
+    assert all(pool.lookup(b, slots[b], in_use) for b in blocks[:4])
+    assert not pool.lookup(blocks[0], slots[blocks[0]], in_use)  # claimed twice: one fill
+    with pytest.raises(ValueError, match="slots"):
+        pool.lookup(blocks[0], slots[blocks[0]] + 1, in_use)
+    # next step: hits, and a fifth block evicts the least recently used of the others
+    in_use = {}
+    assert not any(pool.lookup(b, slots[b], in_use) for b in blocks[1:4])
+    assert pool.lookup(blocks[4], slots[blocks[4]], in_use)
+    assert blocks[0] not in pool.held and pool.take_evicted() == [blocks[0]]
+    assert pool.take_evicted() == [] and pool.evictions == 1
+    # the same block at another slot in a later step is refilled in place (no eviction)
+    in_use = {}
+    assert pool.lookup(blocks[1], slots[blocks[1]] + 1, in_use) and pool.take_evicted() == []
+    # writing a block makes its page stale: still held (memory), refilled when read again
+    pool.invalidate([blocks[2]])
+    assert pool.held[blocks[2]] == STALE
+    assert pool.lookup(blocks[2], slots[blocks[2]], in_use)
+    # a chunk needing more pages than the cap is the planner's error
+    with pytest.raises(PoolFull, match="chunk"):
+        for b in range(200, 205):
+            pool.lookup(b, 0, in_use)
+    assert len(pool.held) == pool.peak_entries == 4
     # idle: the first step that reads nothing off home after idle_release_s drops everything
     pool.idle_release_s = 0.0
     assert not pool.note_step(True) and pool.note_step(False)
-    assert not pool.entries and pool.capacity == pool.initial and pool.releases == 1
-    # a capped pool never grows past its cap, and refuses a chunk that needs more
-    capped = RotatedBlocks(initial=2, cap=3)
-    in_use = set()
-    assert len({capped.lookup((s, 10 + s), in_use)[0] for s in range(3)}) == 3
-    with pytest.raises(RuntimeError, match="chunk"):
-        capped.lookup((9, 99), in_use)
-    assert capped.capacity == capped.peak_capacity == 3
+    assert not pool.held and pool.releases == 1 and pool.take_evicted() == []
+
+
+@pytest.mark.fast
+def test_key_shadow_commits_only_written_pages_and_gives_them_back() -> None:
+    """The shadow is address space: writing keys commits memory, release gives it back (the
+    pages read as zeros), and a neighbour's page is untouched."""
+    from engine_ext.key_shadow import KeyShadow
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    blocks, heads, block, head = 1024, 2, 32, 128  # 64 MiB of fp32 pages, 32 MiB of keys
+    before = rss()
+    shadow = KeyShadow((blocks, heads, 2 * block, head), torch.float32)
+    assert rss() - before < 8 << 20  # nothing committed by the mapping itself
+    assert shadow.keys.shape == (blocks, heads, block, head)
+    assert shadow.keys.stride() == torch.empty(blocks, heads, 2 * block, head).chunk(
+        2, dim=2)[0].stride()
+    shadow.keys.fill_(1.0)
+    written = rss()
+    assert written - before > 30 << 20  # the key halves, not the value halves
+    shadow.release(list(range(0, blocks - 1)))
+    assert rss() < written - (28 << 20)
+    assert float(shadow.keys[: blocks - 1].abs().sum()) == 0.0
+    assert bool((shadow.keys[blocks - 1] == 1.0).all())
+    shadow.release_all()
+    assert float(shadow.keys.abs().sum()) == 0.0

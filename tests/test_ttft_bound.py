@@ -108,7 +108,7 @@ def test_breakdown_buckets_a_cached_final_and_leaves_the_rest_to_transport() -> 
         _ev(f"{off}/attn.move_keys", 12, 40, pid=11),
         _ev(f"{off}/attn.move_keys/attn.gather_keys", 12, 30, pid=11),
         _ev(f"{off}/attn.move_keys/attn.rotate", 30, 32, pid=11),
-        _ev(f"{off}/attn.move_keys/attn.reshape_and_cache", 32, 38, pid=11),
+        _ev(f"{off}/attn.shadow_pages", 40, 45, pid=11),
         _ev(f"{off}/attn.kernel", 45, 58, pid=11),
         _ev(f"{f}/attn.rotate", 62, 63, pid=11),  # RoPE on queries: part of the model
         _ev("frontend.process_outputs", 99, 99.5, pid=12),
@@ -118,11 +118,12 @@ def test_breakdown_buckets_a_cached_final_and_leaves_the_rest_to_transport() -> 
     ms = 1e3
     assert got["ttft_ms"] == pytest.approx(100 * ms)
     assert got["engine_steps"] == 1
-    assert b["off-home fill: gather keys"] == pytest.approx((18 + 2) * ms)  # + move_keys' own
+    # + move_keys' own
+    assert b["off-home fill: gather / scatter key pages"] == pytest.approx((18 + 8) * ms)
     assert b["off-home fill: rotate keys"] == pytest.approx(2 * ms)
-    assert b["off-home fill: write pool (reshape_and_cache)"] == pytest.approx(6 * ms)
+    assert b["off-home fill: shadow pages (map / give back)"] == pytest.approx(5 * ms)
     assert b["off-home attention kernel"] == pytest.approx(13 * ms)
-    assert b["off-home fill: copies (values, home blocks)"] == pytest.approx(7 * ms)
+    assert b["off-home fill: copies (home blocks, private scratch)"] == pytest.approx(2 * ms)
     assert b["KV write (incl. RoPE at write)"] == pytest.approx(2 * ms)
     assert b["model compute outside attention"] == pytest.approx(35 * ms)  # 85 - 50, query RoPE
     assert b["step planning (plan_step)"] == pytest.approx(1 * ms)

@@ -12,7 +12,7 @@ so ``ratio`` does not depend on the long stock prefill at all: it says how close
 comes to the cost of prefilling just its question. Two more references make the gap legible:
 ``ideal`` (stock vLLM with the same prefix cached, at the same positions: the question attends to
 the whole context but nothing is rotated, planned or looked up past a miss) and ``repeat``
-(minipic with the same spans in the same order as its previous final, so the rotated pool
+(minipic with the same spans in the same order as its previous final, so the key shadow
 already holds every block at its slot and nothing is re-rotated).
 
 This module computes those figures from the samples, groups a step profile
@@ -126,14 +126,14 @@ def _under(path: str, label: str) -> bool:
 BUCKETS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("off-home fill: rotate keys", lambda p: _under(p, "attn.off_home")
      and _label(p) == "attn.rotate"),
-    ("off-home fill: write pool (reshape_and_cache)", lambda p: _under(p, "attn.off_home")
-     and _label(p) == "attn.reshape_and_cache"),
-    ("off-home fill: gather keys", lambda p: _under(p, "attn.off_home")
+    ("off-home fill: gather / scatter key pages", lambda p: _under(p, "attn.off_home")
      and _label(p) in ("attn.gather_keys", "attn.move_keys")),
-    ("off-home fill: pool pages (alloc/grow)", lambda p: _label(p) == "attn.pool_pages"),
+    ("off-home fill: shadow pages (map / give back)",
+     lambda p: _label(p) == "attn.shadow_pages"),
     ("off-home attention kernel", lambda p: _under(p, "attn.off_home")
      and _label(p) == "attn.kernel"),
-    ("off-home fill: copies (values, home blocks)", lambda p: _label(p) == "attn.off_home"),
+    ("off-home fill: copies (home blocks, private scratch)",
+     lambda p: _label(p) == "attn.off_home"),
     ("home attention kernel", lambda p: _label(p) == "attn.kernel"),
     ("KV write (incl. RoPE at write)", lambda p: _under(p, "attn.layer") and (
         _under(p, "attn.write") or _label(p) in ("attn.write", "attn.reshape_and_cache",
@@ -215,9 +215,7 @@ def median_breakdown(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-FILL_BUCKETS = ("off-home fill: rotate keys", "off-home fill: write pool (reshape_and_cache)",
-                "off-home fill: gather keys", "off-home fill: pool pages (alloc/grow)",
-                "off-home fill: copies (values, home blocks)")
+FILL_BUCKETS = tuple(name for name, _ in BUCKETS if name.startswith("off-home fill: "))
 KERNEL_BUCKETS = ("off-home attention kernel", "home attention kernel")
 
 
@@ -295,11 +293,7 @@ PLOT_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                                 "prepare inputs")),
     ("attention kernel over the context", ("off-home attention kernel",
                                            "home attention kernel")),
-    ("off-home fill (rotated pool)", ("off-home fill: rotate keys",
-                                      "off-home fill: write pool (reshape_and_cache)",
-                                      "off-home fill: gather keys",
-                                      "off-home fill: pool pages (alloc/grow)",
-                                      "off-home fill: copies (values, home blocks)")),
+    ("off-home fill (key shadow)", FILL_BUCKETS),
     ("planning, scheduling, lookup", ("step planning (plan_step)",
                                       "span isolation (step_key_starts)",
                                       "attention metadata, other",
