@@ -18,7 +18,7 @@ written, and is refilled (or its memory given back) later.
 are written, and given back (``madvise(MADV_DONTNEED)``) when a page is evicted. It must fit
 inside the memory the user configured: :func:`install_budget` wraps the CPU worker's
 ``determine_available_memory`` so the KV cache gets ``(1 - share)`` of the configured budget and
-the pool the rest (``MINIPIC_ROTATED_POOL_SHARE``, default 0.2). KV cache and pool together
+the pool the rest (``MINIPIC_ROTATED_POOL_SHARE``, default 0.1). KV cache and pool together
 never exceed what the user configured. The pool's cap (how many blocks may hold a shadow page)
 follows from its bytes; it is never below one request's longest table
 (``max_model_len / block_size``), so any single request fits.
@@ -46,7 +46,7 @@ from typing import Any
 
 SHARE_ENV = "MINIPIC_ROTATED_POOL_SHARE"
 STATS_RPC = "minipic_rotated_pool_stats"  # worker method name for collective_rpc
-DEFAULT_SHARE = 0.2
+DEFAULT_SHARE = 0.1  # keys only: the same pages the old 0.2 held as keys + values
 IDLE_RELEASE_S = 1.0
 STALE = -1  # a held page whose block was written since: committed memory, no valid slot
 
