@@ -1,13 +1,10 @@
-"""Shared fixtures: ONE real vLLM engine per configuration per test session, and a real
-`minipic serve` process for HTTP tests.
-
-Engine start-up is ~25-35 s on 2 cores (eager), so engines are created lazily on first use and
-kept; at most ``MAX_ALIVE`` stay up at once (least recently used is shut down) to bound memory.
+"""Shared fixtures: real vLLM engines, embedded orchestrators and `minipic serve` processes,
+each started once per run and shared by every module that declares it
+(``pytest.mark.shares``, ``tests/shared_resources.py``), and the run's environment.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import random
 import shutil
@@ -16,11 +13,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from file_timing import STARTS_KEY, pytest_runtest_logreport, pytest_terminal_summary
+from shared_resources import SharedResources, order_modules
+
+__all__ = ["pytest_runtest_logreport", "pytest_terminal_summary"]  # per-file times
 
 CACHE_ENV = "MINIPIC_CACHE_DIR"
 TEST_CACHE_ENV = "MINIPIC_TEST_CACHE"  # "user" (default) or "temp"
@@ -136,35 +136,47 @@ ENGINE_PROFILES: dict[str, dict[str, Any]] = {
     "qwen3next_nocache": dict(model="tiny-qwen3-next", pic=False, dtype="bfloat16",
                               prefix_caching=False),
 }
-MAX_ALIVE = 3
+# Run order of the shared resources: the modules that use each one run side by side
+# (shared_resources.order_modules); at most SHARED_CAP are up at once (~3 GiB each).
+RESOURCE_ORDER = ["tiny_stock", "tiny_pic", "tiny_hash_only", "smol_pic", "smol_stock",
+                  "smol_server", "tiny_orchestrator", *(n for n in ENGINE_PROFILES
+                                                       if n.startswith("qwen3next"))]
+SHARED_CAP = 3
+SHARED = SharedResources(SHARED_CAP)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    items[:] = order_modules(items, RESOURCE_ORDER)
+    SHARED.plan(items)
+    config.stash[STARTS_KEY] = SHARED.starts
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    SHARED.enter(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    result = yield  # the module's own fixtures are gone once its last test tore down
+    if nextitem is None or nextitem.path != item.path:
+        SHARED.leave_module(item.nodeid.split("::", 1)[0])
+    return result
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    SHARED.close()
 
 
 class EnginePool:
-    """Lazily started, shared in-process engines keyed by profile name."""
-
-    def __init__(self) -> None:
-        self._alive: collections.OrderedDict[str, Any] = collections.OrderedDict()
+    """In-process engines by profile name (``ENGINE_PROFILES``), shared through ``SHARED``."""
 
     def get(self, profile: str) -> Any:
         from span_contract.engine_config import EngineSettings, build_llm, close_llm
 
-        if profile in self._alive:
-            self._alive.move_to_end(profile)
-            return self._alive[profile]
-        while len(self._alive) >= MAX_ALIVE:
-            _, old = self._alive.popitem(last=False)
-            close_llm(old)
         settings = EngineSettings(max_model_len=2048, **ENGINE_PROFILES[profile])
-        llm = build_llm(settings)
-        self._alive[profile] = llm
-        return llm
-
-    def close(self) -> None:
-        from span_contract.engine_config import close_llm
-
-        while self._alive:
-            _, llm = self._alive.popitem(last=False)
-            close_llm(llm)
+        return SHARED.get(profile, lambda: build_llm(settings), close_llm, refetched=True)
 
 
 @pytest.fixture
@@ -175,22 +187,8 @@ def seed() -> int:
 
 
 @pytest.fixture(scope="session")
-def engines() -> Iterator[EnginePool]:
-    pool = EnginePool()
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_engines_after_module(engines: EnginePool) -> Iterator[None]:
-    """Shut the pool's engines down when a module that used them ends.
-
-    Each engine holds its KV cache (VLLM_CPU_KVCACHE_SPACE) plus two processes; with servers and
-    embedded orchestrators of other modules alive too, a 24 GiB machine ran out of memory. A
-    restart costs ~30 s, far less than a failed run.
-    """
-    yield
-    engines.close()  # the pool is lazy: modules that never asked for an engine cost nothing
+def engines() -> EnginePool:
+    return EnginePool()
 
 
 def free_port() -> int:
@@ -243,17 +241,17 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def smol_server() -> Iterator[ServerProcess]:
-    """`minipic serve` with the default model and the plugin on (shared by a module's HTTP
-    tests; module scope so servers and engines of finished modules do not pile up in RAM)."""
-    server = ServerProcess("--max-model-len", "2048").start()
-    yield server
-    server.stop()
+def smol_server() -> ServerProcess:
+    """`minipic serve` with the default model and the plugin on, shared by the modules that
+    declare it (no server flags of their own: a module that needs some starts its own)."""
+    return SHARED.get("smol_server", lambda: ServerProcess("--max-model-len", "2048").start(),
+                      ServerProcess.stop)
 
 
 @pytest.fixture(scope="module")
-def tiny_orchestrator() -> Iterator[Any]:
-    """ONE embedded orchestrator (tiny random Llama, plugin on) per test module.
+def tiny_orchestrator() -> Any:
+    """ONE embedded orchestrator (tiny random Llama, plugin on), shared by the modules that
+    declare it. A test that changes its options puts them back.
 
     A ``SyncOrchestrator``: the engine lives on the facade's own loop thread, so sync tests call
     its methods and async code runs coroutines there with ``submit`` (an embedded engine is bound
@@ -261,6 +259,6 @@ def tiny_orchestrator() -> Iterator[Any]:
     """
     from orchestrator import SyncOrchestrator
 
-    orc = SyncOrchestrator.embedded("tiny-llama", max_model_len=2048)
-    yield orc
-    orc.close()
+    return SHARED.get("tiny_orchestrator",
+                      lambda: SyncOrchestrator.embedded("tiny-llama", max_model_len=2048),
+                      SyncOrchestrator.close)

@@ -19,6 +19,8 @@ import pytest
 from span_contract import cpu_runtime
 from span_contract.cpu_runtime import PRELOAD_ENV, plan, preload_env
 
+pytestmark = pytest.mark.shares("tiny_stock")
+
 
 @pytest.fixture(autouse=True)
 def _fresh_log_once() -> Iterator[None]:

@@ -23,17 +23,15 @@ import pytest
 
 from tests.conftest import ServerProcess
 
-pytestmark = [pytest.mark.server]
+pytestmark = [pytest.mark.server, pytest.mark.shares("smol_server")]
 
 VOCAB = ["river", "stone", "lamp", "orbit", "cedar", "quartz", "harbor", "violet", "ember",
          "glacier", "meadow", "copper", "falcon", "lantern", "tundra", "saffron", "basalt"]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    s = ServerProcess("--max-model-len", "2048", "--enable-cache-reset").start()
-    yield s
-    s.stop()
+def server(smol_server: ServerProcess) -> ServerProcess:
+    return smol_server
 
 
 @pytest.fixture(scope="module")

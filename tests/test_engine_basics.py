@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares("smol_pic", "smol_stock")]
 
 
 def test_smollm2_answers_grounded_question(engines):

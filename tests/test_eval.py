@@ -19,6 +19,8 @@ import pytest
 
 from minipic.eval import metrics
 
+pytestmark = pytest.mark.shares("tiny_orchestrator")
+
 VOCAB = ["river", "stone", "lamp", "cedar", "harbor", "violet", "ember", "falcon", "tundra"]
 
 

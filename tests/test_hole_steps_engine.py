@@ -38,7 +38,7 @@ from engine_ext.hole_steps import STATS_METHOD
 from engine_ext.recurrent_checkpoints import call_engine
 from span_contract.span_config import SPANS_OPT_IN_KEY
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_pic")]
 
 REFERENCE_TOL = 1e-4
 BUDGET = 64  # tokens per step of the small engine
@@ -51,7 +51,6 @@ def small_engine(engines) -> Iterator[object]:
     admission gate off, so KV pressure preempts running prefills instead of holding them."""
     from span_contract.engine_config import EngineSettings, build_llm, close_llm
 
-    engines.close()  # memory: the pool's engines are not needed while this one runs
     llm = build_llm(EngineSettings(
         model="tiny-llama", pic=True, max_model_len=1024,
         extra={"max_num_batched_tokens": BUDGET, "max_num_seqs": 4,

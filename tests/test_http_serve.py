@@ -11,7 +11,7 @@ import pytest
 from prompt_builder import PromptBuilder
 from span_contract.span_config import SPANS_OPT_IN_KEY
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.shares("smol_server", "smol_pic")]
 
 WORDS = "amber basalt cedar delta ember fjord granite harbor iris juniper".split()
 

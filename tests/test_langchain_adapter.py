@@ -37,6 +37,8 @@ from integrations.langchain.runnable import (
 from integrations.langchain.wiki_retriever import WikiRetriever
 from orchestrator import Answer, BadInputError, Orchestrator, SyncOrchestrator
 
+pytestmark = pytest.mark.shares("tiny_orchestrator", "smol_server")
+
 
 class ListRetriever(BaseRetriever):
     """Returns the shared document plus one per question word count (deterministic, no index)."""

@@ -31,7 +31,7 @@ from orchestrator import (
 )
 from orchestrator.corpus import default_corpus
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_orchestrator")]
 
 SYSTEM = ("You are a concise assistant. Answer the question using only the documents provided. "
           "Reply with a short phrase, not a sentence.")

@@ -35,7 +35,7 @@ from orchestrator.corpus import default_corpus
 from orchestrator.http_backend import HttpBackend
 from prompt_builder import PromptBuilder
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.shares("smol_server")]
 
 SYSTEM = ("You are a concise assistant. Answer the question using only the documents provided. "
           "Reply with a short phrase, not a sentence.")

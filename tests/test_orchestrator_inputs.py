@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from orchestrator import Answer, BadInputError, SyncOrchestrator
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_orchestrator")]
 
 
 def doc(name: str, words: int = 20) -> str:

@@ -43,7 +43,9 @@ from pic_reference import (  # noqa: E402
 
 from span_contract.span_config import SPANS_OPT_IN_KEY  # noqa: E402
 
-pytestmark = pytest.mark.engine
+pytestmark = [
+    pytest.mark.engine, pytest.mark.shares("tiny_pic", "tiny_hash_only", "smol_pic", "smol_stock"),
+]
 
 ENGINE_TOL = 1e-4  # logprobs, position-free backend vs stock vLLM
 REFERENCE_TOL = 1e-4  # logprobs, engine vs transformers reference (measured <= 2e-6)

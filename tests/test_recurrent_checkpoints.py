@@ -29,6 +29,10 @@ from engine_ext.checkpoint_policy import (
     positions_in,
 )
 
+pytestmark = pytest.mark.shares(
+    "qwen3next_ckpt", "qwen3next_ckpt_bfloat16", "qwen3next_ckpt_float32", "qwen3next_nocache",
+)
+
 # Tolerance for chosen-token logprobs (nats), resumed vs prefix caching off. The model runs bf16
 # (vLLM's CPU GDN kernel accepts nothing else; the recurrent state is fp32), so any change of
 # chunking moves logits by bf16 rounding, whose step at this random model's logit magnitudes

@@ -13,7 +13,7 @@ import pytest
 from prompt_builder import PromptBuilder
 from span_contract.span_config import SPANS_OPT_IN_KEY
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_pic", "tiny_stock")]
 
 WORDS = ("river mountain harbor lantern copper meadow violet orbit falcon quartz willow ember "
          "glacier tundra saffron cobalt prairie canyon beacon thistle").split()

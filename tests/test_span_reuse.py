@@ -36,7 +36,7 @@ from pic_reference import (
 
 from span_contract.span_config import SPANS_OPT_IN_KEY
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_pic")]
 
 REFERENCE_TOL = 1e-4
 
