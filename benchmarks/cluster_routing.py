@@ -217,6 +217,7 @@ def _metrics(results: Sequence[Any], elapsed: float) -> dict[str, Any]:
         "expected_ratio_mean": statistics.fmean(ratios) if ratios else None,
         "cache_ok_fraction": sum(a.cache_ok for a in ok) / len(ok) if ok else None,
         "ttft_p50_s": _percentile([a.ttft_s for a in ok], 0.5),
+        "ttft_p90_s": _percentile([a.ttft_s for a in ok], 0.9),
         "ttft_p95_s": _percentile([a.ttft_s for a in ok], 0.95),
         "total_p50_s": _percentile([a.total_s for a in ok], 0.5),
         "prefills_sent": sum(a.prefills_sent for a in ok),
@@ -264,7 +265,7 @@ def measure(name: str, serve_args: list[str], questions: list[dict[str, Any]],
 
 # -- report --------------------------------------------------------------------------------------
 
-RATIO_KEYS = ("samples_per_s", "hit_rate", "expected_hit_ratio", "ttft_p50_s")
+RATIO_KEYS = ("samples_per_s", "hit_rate", "expected_hit_ratio", "ttft_p50_s", "ttft_p90_s")
 
 
 def _ratios(rows: dict[str, dict[str, Any]], reference: str) -> dict[str, dict[str, float]]:
@@ -323,7 +324,8 @@ def _summary(report: dict[str, Any]) -> Any:
     from rich.table import Table
 
     table = Table(title=f"cluster routing (seed {report['seed']})")
-    for col in ("config", "samples/s", "hit", "cached/exp", "TTFT p50", "prefills", "failed",
+    for col in ("config", "samples/s", "hit", "cached/exp", "TTFT p50", "TTFT p90", "prefills",
+                "failed",
                 "hash ms", "choose ms"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for name, r in report["configurations"].items():
@@ -331,9 +333,10 @@ def _summary(report: dict[str, Any]) -> Any:
             table.add_row(name, f"[red]{r['error'][:80]}")
             continue
         state = r.get("router_state") or {}
-        ttft = f"{r['ttft_p50_s'] * 1e3:.0f} ms" if r["ttft_p50_s"] is not None else None
+        ttft = [f"{r[k] * 1e3:.0f} ms" if r.get(k) is not None else "-"
+                for k in ("ttft_p50_s", "ttft_p90_s")]
         table.add_row(name, _fmt(r["samples_per_s"], ".2f"), _fmt(r["hit_rate"], ".1%"),
-                      _fmt(r["expected_hit_ratio"], ".1%"), ttft or "-",
+                      _fmt(r["expected_hit_ratio"], ".1%"), *ttft,
                       str(r["prefills_sent"]), str(r["failed"]),
                       _fmt(state.get("hash_ms_mean"), ".2f"),
                       _fmt(state.get("choose_ms_mean"), ".3f"))
@@ -487,8 +490,10 @@ def main() -> None:
                      "passage_slots": len(passages),
                      "systems": len({it.system for it in items})},
         "configurations": rows,
-        "ratios_note": "configuration / reference, same run; ttft_p50_s above 1 is slower",
+        "ratios_note": "configuration / reference, same run; TTFT ratios above 1 are slower",
         "ratios_vs_round_robin": _ratios(rows, "round_robin"),
+        # with the store: against round robin with the store (the same store setting)
+        "ratios_vs_round_robin+store": _ratios(rows, "round_robin" + STORE_SUFFIX),
         "ratios_vs_single": _ratios(rows, "single"),
         "meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                  "machine": f"{platform.machine()} {os.cpu_count()} cores",
@@ -501,7 +506,7 @@ def main() -> None:
     console.print(_summary(report))
     for line in _router_lines(report):
         console.print(line)
-    for ref in ("round_robin", "single"):
+    for ref in ("round_robin", "round_robin" + STORE_SUFFIX, "single"):
         for name, ratio in report[f"ratios_vs_{ref}"].items():
             console.print(f"{name} / {ref}: " + ", ".join(f"{k} {v:.2f}x"
                                                           for k, v in ratio.items()))

@@ -147,6 +147,10 @@ SHARED = SharedResources(SHARED_CAP)
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
+    if config.getoption(SWEEP_OPTION):
+        swept = [i for i in items if "seed" in getattr(i, "fixturenames", ())]
+        config.hook.pytest_deselected(items=[i for i in items if i not in swept])
+        items[:] = swept
     items[:] = order_modules(items, RESOURCE_ORDER)
     SHARED.plan(items)
     config.stash[STARTS_KEY] = SHARED.starts
@@ -179,9 +183,31 @@ class EnginePool:
         return SHARED.get(profile, lambda: build_llm(settings), close_llm, refetched=True)
 
 
+SWEEP_OPTION = "--seed-sweep"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(SWEEP_OPTION, type=int, default=0, metavar="N",
+                     help="run every test that takes `seed` with N fresh seeds, and only those "
+                          "(tools/sweep_tolerances.py)")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    n = metafunc.config.getoption(SWEEP_OPTION)
+    if n and "seed" in metafunc.fixturenames:
+        rng = random.SystemRandom()
+        metafunc.parametrize("seed", [rng.randrange(2**31) for _ in range(n)],
+                             ids=[f"sweep{i}" for i in range(n)])
+
+
 @pytest.fixture
 def seed() -> int:
     """A fresh seed per test (fresh random inputs every run); MINIPIC_TEST_SEED replays one."""
+    return fresh_seed()
+
+
+def fresh_seed() -> int:
+    """``seed``'s value, for a fixture of wider scope that draws its own inputs."""
     env = os.environ.get("MINIPIC_TEST_SEED")
     return int(env) if env else random.SystemRandom().randrange(2**31)
 

@@ -244,6 +244,37 @@ def test_policy_holder_then_hot_spot_then_group(router, seed: int) -> None:
     assert not r._matchable(replicas[0])
 
 
+def test_shared_store_makes_affinity_a_tie_break(router, seed: int, tmp_path) -> None:
+    """With a shared span store the default router only prefers a holder within one request
+    of the least loaded replica; without one, a holder may carry 4 more."""
+    from serving.cluster_app import (
+        MAX_IMBALANCE,
+        MAX_IMBALANCE_SHARED_STORE,
+        default_max_imbalance,
+    )
+    from serving.request_blocks import RoutedRequest
+    from span_contract.engine_config import EngineSettings
+    from span_contract.span_store_config import SpanStoreConfig
+
+    alone = EngineSettings(model="tiny-llama")
+    local = EngineSettings(model="tiny-llama", span_store=SpanStoreConfig(dir=str(tmp_path)))
+    shared = EngineSettings(model="tiny-llama",
+                            span_store=SpanStoreConfig(shared_dir=str(tmp_path)))
+    assert default_max_imbalance(alone) == default_max_imbalance(local) == MAX_IMBALANCE == 4
+    assert default_max_imbalance(shared) == MAX_IMBALANCE_SHARED_STORE == 1
+
+    r, replicas = router
+    r.max_imbalance = default_max_imbalance(shared)
+    span = _hashes(random.Random(seed), 4)
+    r.index.stored("r1", span)
+    ask = RoutedRequest(route="completions", body={}, block_hashes=span)
+    r.in_flight.update({"r0": 1, "r1": 2, "r2": 1})
+    assert _first(r._rank(replicas, ask)) == "r1"  # one above the least loaded: still held
+    r.in_flight["r1"] = 3
+    assert _first(r._rank(replicas, ask)) in {"r0", "r2"}  # two above: load decides
+    assert r.decisions["load:holders-busy"] == 1
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--replicas", "0"], "at least 1"),
     (["--replicas", "2", "--no-pic"], "needs the plugin"),

@@ -19,6 +19,7 @@ import types
 
 import pytest
 import torch
+from tolerances import check_close
 
 from engine_ext.hole_steps import plan_holes
 
@@ -149,7 +150,7 @@ def _holed_scenario(attend, gen: torch.Generator, tol: float, what: str) -> None
     ref_qsl = torch.tensor([0, 32, 64, 74, 79], dtype=torch.int32)
     ref = dense_attention_ref(query, ref_keys, ref_values, ref_qsl, rope.cos_sin_cache, HEAD,
                               True, HEAD**-0.5, key_start=torch.tensor(key_start))
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol, msg=lambda m: f"{m} ({what})")
+    check_close(out, ref, atol=tol, rtol=tol, what=what, seed=None)
 
 
 @pytest.mark.parametrize("path", ["auto", "scratch", "torch"])

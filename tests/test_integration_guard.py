@@ -19,6 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import fresh_seed
 
 from engine_ext import integration_guard
 from span_contract.errors import EngineIntegrationError
@@ -58,30 +59,57 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("mode", "message"), [
-    ("runner-override", "overrides _build_attention_metadata"),
-    ("forged-mark", "built outside GPUModelRunner._build_attention_metadata"),
-    ("foreign-backend", "is not minipic's position-free backend"),
-])
-def test_bypassed_hook_refuses_opted_in_requests(mode: str, message: str, seed: int,
-                                                 tmp_path: Path) -> None:
+SABOTAGE = {
+    "runner-override": "overrides _build_attention_metadata",
+    "forged-mark": "built outside GPUModelRunner._build_attention_metadata",
+    "foreign-backend": "is not minipic's position-free backend",
+}
+
+
+@pytest.fixture(scope="module")
+def sabotaged_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """The three sabotaged engines, started at once: each is a process of its own (the
+    sabotage is imported in its worker), and an engine's start is mostly vLLM's import, so
+    the three overlap on the cores instead of queueing (~1 engine start instead of 3)."""
     import random
 
+    seed = fresh_seed()
     rng = random.Random(seed)
-    doc = " ".join(rng.choice(["river", "stone", "lamp", "cedar", "harbor"]) for _ in range(40))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MINIPIC_")}
-    env.update(MINIPIC_TEST_SABOTAGE=mode, VLLM_CPU_KVCACHE_SPACE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    script = tmp_path / "engine.py"
+    folder = tmp_path_factory.mktemp("guard")
+    script = folder / "engine.py"
     script.write_text(textwrap.dedent(ENGINE))
-    proc = subprocess.run([sys.executable, str(script), doc], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    tail = proc.stdout[-2000:] + proc.stderr[-6000:]
-    assert "PLAIN" in proc.stdout, tail  # plain requests are served as stock vLLM
-    assert "ANSWERED" not in proc.stdout and "REFUSED" in proc.stdout, tail
-    logs = proc.stdout + proc.stderr  # the worker's traceback goes through vLLM's logger
-    assert "EngineIntegrationError" in logs and message in logs, tail
+    procs = {}
+    for mode in SABOTAGE:
+        doc = " ".join(rng.choice(["river", "stone", "lamp", "cedar", "harbor"])
+                       for _ in range(40))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MINIPIC_")}
+        env.update(MINIPIC_TEST_SABOTAGE=mode, VLLM_CPU_KVCACHE_SPACE="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+        # to files, not pipes: an engine's log outgrows a pipe while another one is read
+        with open(folder / f"{mode}.out", "w") as out, open(folder / f"{mode}.err", "w") as err:
+            procs[mode] = subprocess.Popen([sys.executable, str(script), doc], env=env,
+                                           cwd=ROOT, stdout=out, stderr=err)
+    runs = {}
+    for mode, proc in procs.items():
+        try:
+            proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        runs[mode] = ((folder / f"{mode}.out").read_text(errors="replace"),
+                      (folder / f"{mode}.err").read_text(errors="replace"), seed)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(SABOTAGE))
+def test_bypassed_hook_refuses_opted_in_requests(mode: str, sabotaged_engines) -> None:
+    stdout, stderr, seed = sabotaged_engines[mode]
+    tail = f"(seed={seed})\n" + stdout[-2000:] + stderr[-6000:]
+    assert "PLAIN" in stdout, tail  # plain requests are served as stock vLLM
+    assert "ANSWERED" not in stdout and "REFUSED" in stdout, tail
+    logs = stdout + stderr  # the worker's traceback goes through vLLM's logger
+    assert "EngineIntegrationError" in logs and SABOTAGE[mode] in logs, tail
 
 
 def _output(new: list[tuple[str, bool]] = (), scheduled: dict[str, int] | None = None,

@@ -40,6 +40,7 @@ from pic_reference import (  # noqa: E402
     max_logprob_error,
     random_ordinary_ids,
 )
+from tolerances import check_close
 
 from span_contract.span_config import SPANS_OPT_IN_KEY  # noqa: E402
 
@@ -314,8 +315,7 @@ def _run_scenario(attend, rope, dtype: torch.dtype, gen: torch.Generator, tol: f
         ref = dense_attention_ref(query, [logical[n][0] for n, _, _ in reqs],
                                   [logical[n][1] for n, _, _ in reqs], qsl, rope.cos_sin_cache,
                                   HEAD, True, HEAD**-0.5)
-        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol,
-                                   msg=lambda m, s=step: f"{m} ({what}, step {s})")
+        check_close(out, ref, atol=tol, rtol=tol, what=f"{what}, step {step}", seed=None)
         results.append(extra)
     return results
 
@@ -500,7 +500,7 @@ def test_query_only_rotary_and_supported_rope_variants() -> None:
     q, k = torch.randn(7, 4 * 128), torch.randn(7, 2 * 128)
     expected_q, expected_k = llama3.forward_native(positions, q.clone(), k.clone())
     out_q, out_k = QueryOnlyRotary(llama3)(positions, q.clone(), k)
-    torch.testing.assert_close(out_q, expected_q, atol=1e-5, rtol=1e-5)
+    check_close(out_q, expected_q, atol=1e-5, rtol=1e-5, what="llama3 query", seed=None)
     assert out_k is k  # unrotated key goes on to self.attn
     assert not torch.allclose(expected_k, k)
 
