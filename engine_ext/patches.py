@@ -48,6 +48,7 @@ VLLM_VERSIONS: dict[str, str] = {
 VLLM_CHECKED = next(v for v, kind in VLLM_VERSIONS.items() if kind == "run")
 ALLOW_VERSION_ENV = "MINIPIC_ALLOW_VLLM_VERSION"
 MARK = "_minipic_patches"  # frozenset of "feature:target" on each wrapper
+STOCK = "_minipic_stock"  # on each wrapper: vLLM's own value it wraps
 
 
 from span_contract.errors import EngineIntegrationError  # noqa: E402  (re-exported)
@@ -233,6 +234,16 @@ def _resolve(target: str) -> tuple[Any, str, Any]:
     return owner, attr, getattr(owner, attr)
 
 
+def stock(target: str) -> Any:
+    """vLLM's own value of a patch target, under whatever minipic wrapped around it.
+
+    Signatures are checked against vLLM's code, not minipic's wrappers (which take the
+    parameter lists of every vLLM they were written for), whether or not this process has
+    installed them yet."""
+    _, _, current = _resolve(target)
+    return getattr(current, STOCK, current)
+
+
 def _params(fn: Any) -> tuple[str, ...]:
     return tuple(inspect.signature(fn).parameters)
 
@@ -258,7 +269,7 @@ def problems(feature: str, vllm_version: str | None = None) -> list[str]:
                          f"{ALLOW_VERSION_ENV}={vllm_version} after checking them)")
     for point in points(feature):
         try:
-            _, _, current = _resolve(point.target)
+            current = stock(point.target)
         except LookupError as exc:
             found.append(f"{point.target}: {exc}")
             continue
@@ -294,13 +305,14 @@ def apply(feature: str, factories: dict[str, Callable[[Any], Any]]) -> None:
             f"minipic feature {feature!r} cannot be installed on this vLLM; the engine will not "
             f"start with it (no silent stock fallback):\n  - " + "\n  - ".join(issues))
     for target, factory in factories.items():
-        owner, attr, stock = _resolve(target)
+        owner, attr, current = _resolve(target)
         mark = f"{feature}:{target}"
-        marks = frozenset(getattr(stock, MARK, ()))
+        marks = frozenset(getattr(current, MARK, ()))
         if mark in marks:
             continue
-        patched = factory(stock)
+        patched = factory(current)
         setattr(patched, MARK, marks | {mark})
+        setattr(patched, STOCK, getattr(current, STOCK, current))
         setattr(owner, attr, patched)
 
 

@@ -23,7 +23,11 @@ pytestmark = pytest.mark.shares("tiny_stock")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_log_once() -> Iterator[None]:
+def _fresh_log_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test sees the lines it causes: the once-per-process memory is cleared, and the
+    known-noise filter that a quiet engine start installs on this logger (for users' terminals)
+    is detached, since these tests read the lines themselves."""
+    monkeypatch.setattr(cpu_runtime.logger, "filters", [])
     cpu_runtime._log_once.cache_clear()
     yield
     cpu_runtime._log_once.cache_clear()

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from background import Background
 
 from minipic.engine_logs import KNOWN_NOISE, NOISE_FILTER_ENV
 
@@ -45,43 +45,23 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-class Run:
-    """A subprocess started now, read when a test needs it: the two runs of this module start
-    together and overlap on the cores (an engine's start is mostly vLLM's import)."""
-
-    def __init__(self, folder: Path, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err)
-
-    def result(self) -> subprocess.CompletedProcess:
-        try:
-            self.proc.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode,
-                                           self.out.read_text(errors="replace"),
-                                           self.err.read_text(errors="replace"))
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Background]:
     folder = tmp_path_factory.mktemp("first-run")
     script = folder / "slow_teardown.py"
     script.write_text(SLOW_TEARDOWN)
     return {
-        "demo": Run(folder, "demo", [sys.executable, "-m", "minipic.cli", "demo", "--model",
-                                     "tiny-llama", "--questions", "1", "--max-tokens", "2"],
-                    _env()),
-        "slow_teardown": Run(folder, "slow_teardown", [sys.executable, str(script)],
-                             _env(VLLM_LOGGING_LEVEL="INFO",
-                                  VLLM_LOGGING_STREAM="ext://sys.stderr",
-                                  VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="10")),
+        "demo": Background(folder, "demo", [sys.executable, "-m", "minipic.cli", "demo",
+                                            "--model", "tiny-llama", "--questions", "1",
+                                            "--max-tokens", "2"], _env(), ROOT),
+        "slow_teardown": Background(folder, "slow_teardown", [sys.executable, str(script)],
+                                    _env(VLLM_LOGGING_LEVEL="INFO",
+                                         VLLM_LOGGING_STREAM="ext://sys.stderr",
+                                         VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="10"), ROOT),
     }
 
 
-def test_demo_output_has_progress_lines_and_no_known_noise(runs: dict[str, Run]) -> None:
+def test_demo_output_has_progress_lines_and_no_known_noise(runs: dict[str, Background]) -> None:
     done = runs["demo"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     # what it does, then how long it took (stdout is a pipe here: lines, not a spinner)
@@ -124,7 +104,7 @@ SLOW_TEARDOWN = textwrap.dedent("""
 """)
 
 
-def test_embedded_close_releases_shared_memory_when_teardown_is_slow(runs: dict[str, Run]
+def test_embedded_close_releases_shared_memory_when_teardown_is_slow(runs: dict[str, Background]
                                                                      ) -> None:
     done = runs["slow_teardown"].result()
     assert done.returncode == 0, done.stderr[-3000:]

@@ -25,6 +25,18 @@ from minipic.engine_logs import (
 )
 
 pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(autouse=True)
+def _filters_put_back() -> Iterator[None]:
+    """``install_noise_filter`` changes process-wide state (logger filters, warning filters);
+    the tests here put it back, so a later module's logs reach its ``caplog``."""
+    loggers = {name: logging.getLogger(name) for name in {e.logger for e in KNOWN_NOISE}}
+    before = {name: list(logger.filters) for name, logger in loggers.items()}
+    with warnings.catch_warnings():
+        yield
+    for name, logger in loggers.items():
+        logger.filters[:] = before[name]
 ROOT = Path(__file__).resolve().parents[1]
 
 # (logger, message as vLLM formats it) copied from the demo's stderr

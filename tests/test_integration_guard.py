@@ -19,6 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
+from background import Background
 from conftest import fresh_seed
 
 from engine_ext import integration_guard
@@ -68,9 +69,8 @@ SABOTAGE = {
 
 @pytest.fixture(scope="module")
 def sabotaged_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """The three sabotaged engines, started at once: each is a process of its own (the
-    sabotage is imported in its worker), and an engine's start is mostly vLLM's import, so
-    the three overlap on the cores instead of queueing (~1 engine start instead of 3)."""
+    """The three sabotaged engines, started at once (``tests/background.py``): each is a
+    process of its own, the sabotage imported in its worker."""
     import random
 
     seed = fresh_seed()
@@ -85,19 +85,11 @@ def sabotaged_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tup
         env = {k: v for k, v in os.environ.items() if not k.startswith("MINIPIC_")}
         env.update(MINIPIC_TEST_SABOTAGE=mode, VLLM_CPU_KVCACHE_SPACE="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-        # to files, not pipes: an engine's log outgrows a pipe while another one is read
-        with open(folder / f"{mode}.out", "w") as out, open(folder / f"{mode}.err", "w") as err:
-            procs[mode] = subprocess.Popen([sys.executable, str(script), doc], env=env,
-                                           cwd=ROOT, stdout=out, stderr=err)
+        procs[mode] = Background(folder, mode, [sys.executable, str(script), doc], env, ROOT)
     runs = {}
     for mode, proc in procs.items():
-        try:
-            proc.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        runs[mode] = ((folder / f"{mode}.out").read_text(errors="replace"),
-                      (folder / f"{mode}.err").read_text(errors="replace"), seed)
+        done = proc.result()
+        runs[mode] = (done.stdout, done.stderr, seed)
     return runs
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from background import Background
 
 from minipic.engine_logs import KNOWN_NOISE
 
@@ -26,20 +27,34 @@ VLLM_LOG = re.compile(r"\((\w|-)+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR) ")
 VLLM_LINE = re.compile(VLLM_LOG.pattern + "|Loading safetensors")
 
 
-def run(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("VLLM_LOGGING_LEVEL", None)
     env.pop("VLLM_LOGGING_STREAM", None)
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Both scripts, started together (``tests/background.py``)."""
+    folder = tmp_path_factory.mktemp("quiet")
+    log = folder / "engine.log"
+    demo = ["-m", "minipic.cli", "demo", "--model", "tiny-llama", "--eager", "--questions", "1",
+            "--max-tokens", "2", "--engine-log", str(log)]
+    return {
+        "agent": Background(folder, "agent", [sys.executable, "examples/agent_tool_memory.py",
+                                              "--model", "tiny-llama"], _env(), ROOT),
+        "demo": Background(folder, "demo", [sys.executable, *demo], _env(), ROOT),
+        "engine_log": log,
+    }
 
 
 def engine_lines(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if VLLM_LINE.search(line)]
 
 
-def test_agent_example_stdout_is_its_own() -> None:
-    done = run(["examples/agent_tool_memory.py", "--model", "tiny-llama"])
+def test_agent_example_stdout_is_its_own(runs: dict[str, Any]) -> None:
+    done = runs["agent"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     assert engine_lines(done.stdout) == []
     assert done.stdout.startswith("turn 1: ")
@@ -49,10 +64,9 @@ def test_agent_example_stdout_is_its_own() -> None:
     assert [e for e in KNOWN_NOISE if e.seen_in(done.stderr)] == []
 
 
-def test_demo_stdout_is_its_own(tmp_path: Path) -> None:
-    log = tmp_path / "engine.log"
-    done = run(["-m", "minipic.cli", "demo", "--model", "tiny-llama", "--eager", "--questions", "1",
-                "--max-tokens", "2", "--engine-log", str(log)])
+def test_demo_stdout_is_its_own(runs: dict[str, Any]) -> None:
+    log = runs["engine_log"]
+    done = runs["demo"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     assert engine_lines(done.stdout) == []
     assert "summary" in done.stdout and "TTFT ratio" in done.stdout

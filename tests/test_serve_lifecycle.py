@@ -18,6 +18,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -121,9 +122,22 @@ def wait_for_engine(pid: int, timeout: float = 300) -> list[psutil.Process]:
     raise AssertionError(f"no EngineCore under {pid}: {names(tree(pid))}")
 
 
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, Future]]:
+    """The two servers the tests below take apart, booting together from the module's first
+    test on (each start is mostly vLLM's import, on one core: the two overlap)."""
+    boot = ThreadPoolExecutor(2, thread_name_prefix="boot")
+    pending = {"plain": ServerProcess(*TINY), "reset": ServerProcess(*TINY, "--enable-cache-reset")}
+    futures = {name: boot.submit(server.start) for name, server in pending.items()}
+    yield futures
+    boot.shutdown(wait=True)
+    for server in pending.values():
+        server.stop()
+
+
 @pytest.mark.server
-def test_sigkill_of_serve_leaves_no_engine_behind(leftovers) -> None:
-    server = ServerProcess(*TINY).start()
+def test_sigkill_of_serve_leaves_no_engine_behind(leftovers, servers) -> None:
+    server = servers["plain"].result()
     procs = tree(server.proc.pid)
     leftovers.extend(procs)
     assert {"VLLM::EngineCore", "VLLM::Worker"} <= {n.split("_")[0] for n in names(procs)}, (
@@ -146,8 +160,8 @@ def cached(base_url: str, ids: list[int]) -> int:
 
 
 @pytest.mark.server
-def test_cache_reset_route_and_sigterm(leftovers) -> None:
-    server = ServerProcess(*TINY, "--enable-cache-reset").start()
+def test_cache_reset_route_and_sigterm(leftovers, servers) -> None:
+    server = servers["reset"].result()
     procs = tree(server.proc.pid)
     leftovers.extend(procs)
     base = server.base_url

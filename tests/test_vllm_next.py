@@ -57,7 +57,8 @@ def test_source_reader_agrees_with_inspect_on_the_installed_vllm() -> None:
     assert installed.version == vllm.__version__.split("+")[0]
     assert differences(installed) == []
     for point in patches.PATCH_POINTS:
-        _, _, current = patches._resolve(point.target)
+        # vLLM's own code, also where an engine of this process installed the wrappers
+        current = patches.stock(point.target)
         assert installed.params(point.target) == tuple(inspect.signature(current).parameters)
 
 
@@ -155,7 +156,8 @@ def test_lookup_honours_max_cache_hit_length_past_misses(seed: int) -> None:
     assert kvm.allocate_slots(first, first.num_tokens) is not None  # computes and caches
     kvm.free(first)
 
-    stock_032 = KVCacheManager.get_computed_blocks
+    # vLLM's lookup, also where an engine of this process installed minipic's around it
+    stock_032 = patches.stock(f"{KVCacheManager.__module__}:KVCacheManager.get_computed_blocks")
 
     def stock_033(self: Any, request: Any, max_cache_hit_length: int | None = None) -> Any:
         blocks, hit, boundary = stock_032(self, request)
