@@ -2,7 +2,7 @@
 comes to its tolerance.
 
     .venv/bin/python tools/sweep_tolerances.py               # 200 seeds per test
-    .venv/bin/python tools/sweep_tolerances.py --seeds 20 tests/test_kernels.py
+    .venv/bin/python tools/sweep_tolerances.py --seeds 20 tests/test_kernels.py -k move_keys
 
 Every test that takes the ``seed`` fixture and is marked ``fast`` runs once per seed
 (``pytest --seed-sweep N``). Each tolerance check (``tests/tolerances.py``) records its error as
@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="*", default=["tests"], help="test files (default: all)")
     parser.add_argument("--seeds", type=int, default=200, help="seeds per test (default 200)")
+    parser.add_argument("-k", dest="select", default=None,
+                        help="pytest -k expression: sweep only the matching tests")
     parser.add_argument("--max-share", type=float, default=0.5,
                         help="fail when a check uses this share of its tolerance (default 0.5)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "tolerance_sweep",
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-m", "fast", "-p", "no:cacheprovider",
-             f"--seed-sweep={args.seeds}", "--junitxml", str(report), *args.paths],
+             f"--seed-sweep={args.seeds}", "--junitxml", str(report),
+             *(["-k", args.select] if args.select else []), *args.paths],
             cwd=ROOT, env=env)
         seconds = time.monotonic() - started
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() \
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = int(_attr(junit, "failures")) + int(_attr(junit, "errors"))
     rows = summarize(records)
     worst = max((r["worst_share"] for r in rows), default=0.0)
-    meta = {"seeds": args.seeds, "tests_run": tests_run, "failed": failed, "seconds": seconds,
+    meta = {"seeds": args.seeds, "paths": args.paths, "select": args.select,
+            "tests_run": tests_run, "failed": failed, "seconds": seconds,
             "worst_share": worst, "max_share": args.max_share, "pytest_exit": done.returncode}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "checks": rows}, indent=2))
