@@ -325,7 +325,11 @@ def test_rotate_matches_complex_formulation(neox: bool, seed: int) -> None:
     expected = x.clone()
     expected[..., first], expected[..., second] = z.real, z.imag
     ours = rotate(x.float(), pos, table, rot, neox)
-    check_close(ours, expected, atol=1e-4, rtol=1e-4, what="complex formulation", seed=seed)
+    # the fp32 table's angle error (one row read) against exact complex arithmetic, plus a few
+    # fp32 roundings of the products
+    scale = float(x.abs().max())
+    tol = table_angle_tolerance(512, rows=1) * scale + 4 * ulp(scale, torch.float32)
+    check(float((ours.double() - expected).abs().max()), tol, "complex formulation", seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -434,7 +434,12 @@ def _cpu_backend_scenario(path: str, dtype: torch.dtype, seed: int, monkeypatch,
         impl.forward(layer, query, key, value, kv_cache, md, out)
         return out, plan
 
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    # bf16: a key read off its home is rounded twice (rotated at home, moved in the key shadow;
+    # test_kernels' move_keys bound: up to 9 bf16 spacings of the key) and the kernel's
+    # probabilities and output are bf16; at 2e-2 (one rounding's worth) the torch path used
+    # 0.52 of the allowance over 50 seeds (results/tolerance_sweep/), so 4e-2. Not derived
+    # element by element: the softmax's worst case is far looser than what random keys reach.
+    tol = 2e-5 if dtype == torch.float32 else 4e-2
     gen = torch.Generator().manual_seed(seed)
     return _run_scenario(attend, rope, dtype, gen, tol, f"path={path}, seed={seed}", scenario,
                          reuse)
