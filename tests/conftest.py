@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from file_timing import STARTS_KEY, pytest_runtest_logreport, pytest_terminal_summary
-from shared_resources import SharedResources, order_modules
+from shared_resources import SharedResources, module_id, order_modules
 
 __all__ = ["pytest_runtest_logreport", "pytest_terminal_summary"]  # per-file times
 
@@ -149,7 +149,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                                   items: list[pytest.Item]) -> None:
     if config.getoption(SWEEP_OPTION):
         swept = [i for i in items if "seed" in getattr(i, "fixturenames", ())]
-        config.hook.pytest_deselected(items=[i for i in items if i not in swept])
+        kept = {id(i) for i in swept}
+        config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
         items[:] = swept
     items[:] = order_modules(items, RESOURCE_ORDER)
     SHARED.plan(items)
@@ -165,7 +166,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     result = yield  # the module's own fixtures are gone once its last test tore down
     if nextitem is None or nextitem.path != item.path:
-        SHARED.leave_module(item.nodeid.split("::", 1)[0])
+        SHARED.leave_module(module_id(item))
     return result
 
 
