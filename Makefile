@@ -17,6 +17,11 @@ LLAMAINDEX := llama-index-core==0.14.25
 SETUPTOOLS_PIN := $(if $(filter cpu,$(ENGINE)),78.1.1,)
 # the slowest tests in every run: where CI time goes, on whichever CPU CI runs
 PYTEST_ARGS ?= --durations=30
+# `make test` runs this many lanes of whole modules side by side, one xdist worker each
+# (tests/lanes.py); each lane starts its own shared engines (~3 GiB each, at most 3 up per lane),
+# so more lanes than cores or than memory allows only slows the run. 1: one process, no xdist.
+TEST_LANES ?= 2
+LANE_ARGS := $(if $(filter-out 1,$(TEST_LANES)),-n $(TEST_LANES),)
 
 .PHONY: setup demo test test-fast lint bench clean-venv
 
@@ -50,7 +55,7 @@ demo: setup
 	$(VENV)/bin/minipic demo
 
 test: setup
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra $(LANE_ARGS) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -ra -m fast $(PYTEST_ARGS)

@@ -16,11 +16,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lanes
 import pytest
-from file_timing import STARTS_KEY, pytest_runtest_logreport, pytest_terminal_summary
-from shared_resources import SharedResources, module_id, order_modules
+from file_timing import (
+    LANES_OUTPUT,
+    STARTS_KEY,
+    pytest_runtest_logreport,
+    pytest_terminal_summary,
+    pytest_testnodedown,
+    send_from_worker,
+)
+from shared_resources import SharedResources, declared, module_id, order_modules
 
-__all__ = ["pytest_runtest_logreport", "pytest_terminal_summary"]  # per-file times
+__all__ = ["pytest_runtest_logreport", "pytest_terminal_summary",  # per-file times
+           "pytest_testnodedown"]
 
 CACHE_ENV = "MINIPIC_CACHE_DIR"
 TEST_CACHE_ENV = "MINIPIC_TEST_CACHE"  # "user" (default) or "temp"
@@ -79,6 +88,8 @@ def pytest_configure(config: pytest.Config) -> None:
     (scratch / "ipc").mkdir()
     (scratch / "logs").mkdir()
     os.environ.setdefault("VLLM_RPC_BASE_PATH", str(scratch / "ipc"))
+    # an xdist controller: its workers (started after this) publish their lanes here
+    os.environ.setdefault(lanes.FILE_ENV, str(scratch / "lanes.json"))
     SCRATCH[:] = [scratch]
 
 
@@ -92,6 +103,7 @@ def scratch_path(name: str) -> str:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    send_from_worker(session.config)
     if not SCRATCH:
         return
     scratch = SCRATCH[0]
@@ -153,8 +165,42 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
         items[:] = swept
     items[:] = order_modules(items, RESOURCE_ORDER)
-    SHARED.plan(items)
+    lane_of = assign_lanes(config, items)
+    SHARED.plan(items, lane_of)
     config.stash[STARTS_KEY] = SHARED.starts
+
+
+def worker_count(config: pytest.Config) -> int:
+    """How many xdist workers split this run into lanes (1: not an xdist run)."""
+    workerinput = getattr(config, "workerinput", None)
+    return int(workerinput.get("workercount", 1)) if workerinput else 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``-n N``: N lanes of whole modules, one per worker (``tests/lanes.py``)."""
+    return lanes.scheduler(config, log)
+
+
+def assign_lanes(config: pytest.Config, items: list[pytest.Item]) -> dict[str, int]:
+    """One lane of whole modules per xdist worker (``tests/lanes.py``), published for the
+    controller's scheduler; every module in lane 0 when the run is not split."""
+    modules: dict[str, set[str]] = {}
+    for item in items:
+        modules.setdefault(module_id(item), set()).update(declared(item))
+    count = worker_count(config)
+    if count == 1:
+        return dict.fromkeys(modules, 0)
+    times = lanes.load_times()
+    lane_of = lanes.assign(modules, lambda m: frozenset(modules[m]), count, times)
+    lanes.publish(lane_of)
+    seconds = lanes.estimated_seconds(lane_of, lambda m: frozenset(modules[m]), count, times)
+    config.workeroutput[LANES_OUTPUT] = {
+        f"lane{lane}": {"estimated_s": round(seconds[lane]),
+                        "modules": [m for m in modules if lane_of[m] == lane]}
+        for lane in range(count)}
+    return lane_of
+
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -69,15 +69,17 @@ class SharedResources:
         self._declared: frozenset[str] = frozenset()
         self._needed_after: dict[str, frozenset[str]] = {}
 
-    def plan(self, items: Iterable[pytest.Item]) -> None:
-        """Record, for each module in run order, what the modules after it still declare."""
+    def plan(self, items: Iterable[pytest.Item], lane_of: dict[str, int] | None = None) -> None:
+        """Record, for each module in run order, what the modules after it in its lane still
+        declare (``tests/lanes.py``: each lane runs in a process of its own)."""
         per_module: dict[str, set[str]] = collections.OrderedDict()
         for item in items:
             per_module.setdefault(module_id(item), set()).update(declared(item))
-        later: set[str] = set()
+        later: collections.defaultdict[int, set[str]] = collections.defaultdict(set)
         for module in reversed(per_module):
-            self._needed_after[module] = frozenset(later)
-            later |= per_module[module]
+            lane = (lane_of or {}).get(module, 0)
+            self._needed_after[module] = frozenset(later[lane])
+            later[lane] |= per_module[module]
 
     def enter(self, item: pytest.Item) -> None:
         self._module, self._declared = module_id(item), declared(item)

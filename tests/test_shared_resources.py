@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 
+import lanes
 import pytest
 from shared_resources import MARK, SharedResources, order_modules
 
@@ -113,3 +114,54 @@ def test_an_undeclared_resource_fails_the_test() -> None:
     with pytest.raises(pytest.fail.Exception, match="without declaring it"):
         ledger.get(pool, "B")
     assert ledger.started == []
+
+
+def test_each_lane_stops_a_resource_after_its_own_last_user() -> None:
+    """Two lanes run in two processes: a resource both use is started in each and stopped after
+    the lane's own last module, not kept for a module that runs in the other process."""
+    ordered = order_modules(items({"x.py": ("A",), "y.py": ("A",), "z.py": ("A",)}), ["A"])
+    lane_of = {"x.py": 0, "y.py": 1, "z.py": 1}
+    pool, ledger = SharedResources(cap=3), Ledger()
+    pool.plan(ordered, lane_of)
+    lane0 = [i for i in ordered if lane_of[i.nodeid.split("::")[0]] == 0]
+    pool.enter(lane0[0])
+    ledger.get(pool, "A")
+    pool.enter(lane0[-1])
+    pool.leave_module("x.py")
+    assert ledger.stopped == ["A"]  # y.py and z.py declare it, but run in the other lane
+    pool.enter(ordered[2])  # y.py, in lane 1
+    ledger.get(pool, "A")
+    pool.leave_module("y.py")
+    assert ledger.stopped == ["A"]  # z.py, later in lane 1, still declares it
+
+
+def test_lanes_balance_the_estimated_seconds() -> None:
+    times = {"big.py": 300.0, "mid.py": 200.0, "small.py": 90.0, "tiny.py": 10.0}
+    lane_of = lanes.assign(times, lambda m: frozenset(), 2, times)
+    assert lane_of["big.py"] != lane_of["mid.py"]
+    seconds = lanes.estimated_seconds(lane_of, lambda m: frozenset(), 2, times)
+    assert sorted(seconds) == [300.0, 300.0]
+    assert lanes.assign(reversed(list(times)), lambda m: frozenset(), 2, times) == lane_of
+
+
+def test_modules_sharing_a_resource_gather_unless_balance_pays_for_a_second_start() -> None:
+    uses = {"a.py": frozenset({"R"}), "b.py": frozenset({"R"}), "c.py": frozenset(),
+            "d.py": frozenset({"R"})}
+    # c.py alone balances a.py + b.py: they share one start of R
+    times = {"a.py": 100.0, "b.py": 100.0, "c.py": 250.0, "d.py": 10.0}
+    lane_of = lanes.assign(times, uses.__getitem__, 2, times)
+    assert lane_of["a.py"] == lane_of["b.py"] == lane_of["d.py"] != lane_of["c.py"]
+    # two long users of R: a second start (START_SECONDS) is cheaper than running them in turn
+    times = {"a.py": 400.0, "b.py": 400.0, "c.py": 10.0, "d.py": 10.0}
+    lane_of = lanes.assign(times, uses.__getitem__, 2, times)
+    assert lane_of["a.py"] != lane_of["b.py"]
+
+
+def test_a_module_without_a_recorded_time_gets_the_default(tmp_path) -> None:
+    path = tmp_path / "times.json"
+    path.write_text('{"a.py": 12.5, "b.py": "not a number"}')
+    assert lanes.load_times(path) == {"a.py": 12.5}
+    path.write_text("{damaged")
+    assert lanes.load_times(path) == {}
+    assert lanes.estimated_seconds({"new.py": 0}, lambda m: frozenset(), 1, {}) == [
+        lanes.DEFAULT_SECONDS]
