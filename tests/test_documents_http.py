@@ -77,10 +77,15 @@ def chat(client: Any, messages: list[dict[str, str]], docs: list[dict[str, str]]
 
 def test_openai_chat_cold_warm_stream_and_sdk_agree(server, client, sdk, seed) -> None:
     rng = random.Random(seed)
-    docs = documents(rng, 3)
-    system, question = words(rng, 6), words(rng, 5) + "?"
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    cold = chat(client, messages, docs)
+    # SmolLM2 sometimes answers with EOS first (seed 1251024259): an empty answer would make the
+    # text comparisons below vacuous, so draw fresh inputs until the model says something.
+    for _ in range(4):
+        docs = documents(rng, 3)
+        system, question = words(rng, 6), words(rng, 5) + "?"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        cold = chat(client, messages, docs)
+        if cold.choices[0].message.content:
+            break
     warm = chat(client, messages, docs)
     evidence = cold.model_extra["minipic"]
     assert [s["status"] for s in evidence["spans"]] == ["cold"] * 4  # system + 3 documents
