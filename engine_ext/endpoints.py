@@ -109,6 +109,9 @@ class MinipicEndpoints:
         from fastapi.responses import JSONResponse
 
         async def minipic_config(request: Request) -> JSONResponse:
+            denied = self.unauthorized(request)
+            if denied is not None:
+                return denied
             config = current_config()
             if "ckpt" in config["features"]:
                 config["ckpt"] = await _ckpt_summary(request)
@@ -135,12 +138,9 @@ class MinipicEndpoints:
             return _error(403, "prefix-cache reset is disabled on this server; start it with "
                                "`minipic serve --enable-cache-reset` to allow it",
                           "ForbiddenError")
-        if self._api_tokens:
-            from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
-
-            if not AuthenticationMiddleware(None, self._api_tokens).verify_token(request.headers):
-                return _error(401, "Unauthorized: send the server's API key as a Bearer token",
-                              "AuthenticationError")
+        denied = self.unauthorized(request)
+        if denied is not None:
+            return denied
         engine = getattr(request.app.state, "engine_client", None)
         if engine is None:
             return _error(503, "no engine behind this server", "ServiceUnavailableError")
@@ -148,6 +148,19 @@ class MinipicEndpoints:
             return _error(409, "the engine refused to reset its prefix cache: blocks are held "
                                "by running requests; retry when they are done", "ConflictError")
         return JSONResponse({"success": True})
+
+    def unauthorized(self, request: Any) -> Any:
+        """A 401 unless the request carries the server's API key (when one is set). vLLM
+        guards only ``/v1``-style paths; minipic's routes tell the store's fingerprint, paths,
+        weights digest and counters, which are the operator's, not every caller's."""
+        if not self._api_tokens:
+            return None
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+        if AuthenticationMiddleware(None, self._api_tokens).verify_token(request.headers):
+            return None
+        return _error(401, "Unauthorized: send the server's API key as a Bearer token",
+                      "AuthenticationError")
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         from vllm import envs

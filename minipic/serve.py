@@ -80,6 +80,15 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                         "benchmarks and operators). Off by default: it answers 403")
     p.add_argument("--no-pic", action="store_true",
                    help="run stock vLLM behaviour (plugin off): the baseline")
+    limits = p.add_argument_group(
+        "request limits", "what one request to /v1/chat/completions or /v1/completions may "
+        "carry: over them it gets a 413 (body) or a 400 naming the item (documents)")
+    limits.add_argument("--max-body-mib", type=float, default=32.0, metavar="MIB",
+                        help="request body size (default: %(default)s)")
+    limits.add_argument("--max-documents", type=int, default=1024, metavar="N",
+                        help="documents per request (default: %(default)s)")
+    limits.add_argument("--max-document-chars", type=int, default=1_000_000, metavar="N",
+                        help="characters per document, title included (default: %(default)s)")
     p.add_argument("--features", default=None,
                    help="plugin features to enable: hash (SSEP/PDEP block hashing), rope "
                         "(unrotated keys, RoPE in attention, span isolation), holes (reuse "
@@ -120,6 +129,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                        help="host-RAM LRU in front of it, per engine (default: %(default)s)")
     store.add_argument("--span-store-shared", default=None, metavar="DIR",
                        help="an extra tier shared with other servers (a shared mount)")
+    store.add_argument("--span-store-group-access", action="store_true",
+                       help="make entries 0640 and folders 0750 for replicas running as other "
+                            "users of one group on a shared mount (default: 0600 / 0700, "
+                            "readable by this user only)")
     scale = p.add_argument_group(
         "scale-out on Ray Serve",
         "Run N replicas of this server behind one URL, routed by where spans are cached "
@@ -192,7 +205,8 @@ def span_store_config(args: argparse.Namespace) -> SpanStoreConfig | None:
         path, shared = None, path
     return SpanStoreConfig(dir=path, disk_gib=args.span_store_gib,
                            ram_mib=args.span_store_ram_mib, shared_dir=shared,
-                           shared_gib=args.span_store_gib)
+                           shared_gib=args.span_store_gib,
+                           group_access=getattr(args, "span_store_group_access", False))
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
@@ -225,9 +239,23 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.kv_cache_gib is not None:  # read by EngineSettings.plugin_env, here and in replicas
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
+    from serving.documents.bodies import Limits
+
+    if min(args.max_body_mib, args.max_documents, args.max_document_chars) <= 0:
+        print("minipic serve: error: --max-body-mib, --max-documents and --max-document-chars "
+              "must be positive", file=sys.stderr)
+        return 2
+    # read by the servers' documents middleware (here and in replicas)
+    os.environ.update(Limits(int(args.max_body_mib * 2**20), args.max_documents,
+                             args.max_document_chars).env())
     extra = list(args.vllm_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    if settings.span_store is not None and _tensor_parallel(extra) > 1:
+        from span_contract.engine_config import TP_STORE_MESSAGE
+
+        print(f"minipic serve: error: {TP_STORE_MESSAGE}", file=sys.stderr)
+        return 2
     if args.replicas is not None:
         return run_replicas(args, settings, extra)
     argv = settings.server_argv(args.host, args.port, args.served_model_name)
@@ -244,6 +272,23 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr, flush=True,
     )
     return supervise(argv, env)
+
+
+def _tensor_parallel(vllm_args: list[str]) -> int:
+    """The tensor-parallel size vLLM's own flags after ``--`` ask for (1 if none)."""
+    size = 1
+    for i, arg in enumerate(vllm_args):
+        value = None
+        if arg in ("--tensor-parallel-size", "-tp") and i + 1 < len(vllm_args):
+            value = vllm_args[i + 1]
+        elif arg.startswith(("--tensor-parallel-size=", "-tp=")):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            try:
+                size = int(value)
+            except ValueError:
+                pass  # vLLM reports a malformed value itself
+    return size
 
 
 def run_replicas(args: argparse.Namespace, settings: EngineSettings, extra: list[str]) -> int:

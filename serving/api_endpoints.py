@@ -29,6 +29,9 @@ class MinipicServerEndpoints(MinipicEndpoints):
         app.add_middleware(DocumentsMiddleware)
 
         async def documents_stats(request: Request) -> JSONResponse:
+            denied = self.unauthorized(request)
+            if denied is not None:
+                return denied
             side = getattr(request.app.state, STATE_ATTR, None)
             if side is None:
                 return JSONResponse({"enabled": False})

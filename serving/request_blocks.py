@@ -25,9 +25,10 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
-from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig
+from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig, spans_opted_in
 
 
 def none_hash_seed(algo: str, environ: dict[str, str] | None = None) -> str | None:
@@ -214,8 +215,9 @@ class RequestBlockHasher:
             from serving.documents.bodies import wants_documents
 
             xargs = body.get("vllm_xargs")
-            opted_in = (isinstance(xargs, dict) and xargs.get(SPANS_OPT_IN_KEY) is True
-                        ) or wants_documents(route, body)  # type: ignore[arg-type]
+            # the engine's own reading of the opt-in (True, 1 or "true")
+            opted_in = spans_opted_in(SimpleNamespace(extra_args=xargs)) or wants_documents(
+                route, body)  # type: ignore[arg-type]
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             if route_as is None:
                 prompts = targets = self.token_ids(route, body)

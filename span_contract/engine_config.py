@@ -32,23 +32,35 @@ _ENGINE_CODE = ("engine_ext", "kernels")  # packages whose code shapes a compile
 
 @functools.cache
 def plugin_code_hash() -> str:
-    """sha256 over the engine-side source files: a new minipic build gets new compile-cache keys.
+    """sha256 over the engine-side source files: a new minipic build gets new compile-cache keys
+    and new span-store keys.
 
     vLLM's compile cache keys on its config hash and its own sources, not on plugin code; putting
-    this in ``additional_config`` makes a stale compiled graph impossible after an upgrade.
+    this in ``additional_config`` makes a stale compiled graph impossible after an upgrade. The
+    span store's fingerprint carries it for the same reason: an entry is KV that code computed.
     """
-    root = Path(__file__).resolve().parents[1]
+    return code_hash(Path(__file__).resolve().parents[1])
+
+
+def code_hash(root: Path) -> str:
+    """sha256 over the ``.py`` files of the engine-side packages under ``root``."""
     digest = hashlib.sha256()
     for package in _ENGINE_CODE:
         for path in sorted((root / package).rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
 # vLLM on CPU sizes its KV cache from this (GiB); without it start-up may fail on memory.
 DEFAULT_CPU_KVCACHE_GIB = "2"
 
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+TP_STORE_MESSAGE = (
+    "the span store is not supported with tensor parallelism yet (each rank holds a shard of "
+    "every block, and a block must be loaded on all ranks or on none; this is untested on more "
+    "than one rank): run with --span-store off, or with --tensor-parallel-size 1")
 
 
 class EngineSettings(BaseModel):
@@ -98,7 +110,9 @@ class EngineSettings(BaseModel):
             if not self.pic or not {"hash", "holes", "rope"} <= set(self.features):
                 raise ValueError("span_store needs the minipic plugin with its hash, rope and "
                                  "holes features")
-            store = store.resolved(model)
+            if int(self.extra.get("tensor_parallel_size") or 1) > 1:
+                raise ValueError(TP_STORE_MESSAGE)
+            store = store.resolved(model, self.extra.get("revision"))
         return self.model_copy(update={"model": model, "span_config": span,
                                        "span_store": store})
 

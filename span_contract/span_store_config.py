@@ -39,16 +39,22 @@ class SpanStoreConfig(BaseModel):
     disk_gib: float = Field(8.0, gt=0, description="bound of the local disk tier")
     shared_dir: str | None = Field(None, description="tier shared by replicas; None = none")
     shared_gib: float = Field(32.0, gt=0, description="bound of the shared tier")
+    group_access: bool = Field(
+        False, description="entries 0640 and folders 0750 (replicas of one group on a shared "
+                           "mount); default 0600 / 0700, private to the user")
     weights_digest: str = Field("", description="filled by resolved(): the model's weights")
+    weights_of: str = Field("", description="the model and revision weights_digest is of")
 
-    def resolved(self, model_dir: str) -> SpanStoreConfig:
-        """Absolute directories and the weights digest of ``model_dir``."""
+    def resolved(self, model: str, revision: str | None = None) -> SpanStoreConfig:
+        """Absolute directories and the weights digest of ``model`` at ``revision``."""
         def absolute(path: str | None) -> str | None:
             return None if path is None else str(Path(path).expanduser().resolve())
 
+        of = weights_identity(model, revision)
+        digest = self.weights_digest if self.weights_of == of else ""
         return self.model_copy(update={
             "dir": absolute(self.dir), "shared_dir": absolute(self.shared_dir),
-            "weights_digest": self.weights_digest or weights_digest(model_dir)})
+            "weights_digest": digest or weights_digest(model, revision), "weights_of": of})
 
     def kv_transfer_config(self) -> dict[str, Any]:
         """vLLM's ``--kv-transfer-config``: minipic's connector, by module path (vLLM's
@@ -70,18 +76,41 @@ def default_store_dir() -> Path:
     return cache_root() / "span-store"
 
 
-def weights_digest(model_dir: str) -> str:
-    """sha256 over the model folder's weight and config files, cached by (path, size, mtime).
+def weights_identity(model: str, revision: str | None) -> str:
+    """What a weights digest was computed for (the engine checks it against its own model)."""
+    return f"{model}@{revision or ''}"
+
+
+def local_model_dir(model: str, revision: str | None = None) -> Path | None:
+    """The folder holding ``model``'s files: the folder itself, or the local Hugging Face
+    snapshot of a hub id at ``revision`` (never a download). None when there is none."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 (not a hub id, not cached, no hub library: unknown)
+        return None
+
+
+def weights_digest(model: str, revision: str | None = None) -> str:
+    """sha256 over the model's weight and config files, cached by (path, size, mtime); "" when
+    the files cannot be found (a hub id not downloaded yet), which means no store.
 
     The store must never serve KV computed by other weights under the same block hash, and the
-    hash does not name the weights; their digest goes into every key. Hashing a 270 MB model
-    takes about a second, once: the result is kept next to the minipic cache.
+    hash does not name the weights; their digest goes into every key. A name is not a digest:
+    the same hub id or folder can hold other weights tomorrow. Hashing a 270 MB model takes
+    about a second, once: the result is kept next to the minipic cache.
     """
-    root = Path(model_dir)
+    root = local_model_dir(model, revision)
+    if root is None:
+        return ""
     files = sorted(p for p in root.glob("*") if p.is_file() and (
         p.suffix in (".safetensors", ".bin", ".pt", ".json", ".model", ".gguf")))
-    if not files:
-        return hashlib.sha256(str(root).encode()).hexdigest()[:32]
+    if not any(p.suffix != ".json" for p in files):
+        return ""  # no weights here: nothing to name
     stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     cache = _digest_cache_path()
     known: dict[str, Any] = {}
@@ -121,7 +150,9 @@ def _digest_cache_path() -> Path | None:
         return None
 
 
-# Bump when what a payload holds changes (page layout, what "home" means, the header).
+# Bump when what a payload holds changes (page layout, what "home" means, the header). The
+# engine code hash in the fingerprint changes with any engine-side edit as well; this names
+# the payload format for people reading a fingerprint's inputs.
 LAYOUT_VERSION = "minipic-span-page-2"
 
 
@@ -138,13 +169,31 @@ def page_layout(vllm_config: Any) -> str:
                                                model.get_head_size())
 
 
-def config_fingerprint(vllm_config: Any, weights_digest: str, span_config: Any) -> str:
-    """Digest of what a block's KV depends on besides its tokens (same in every process)."""
+def _rotary_facts(model_config: Any) -> dict[str, Any]:
+    """The rotary settings the keys were computed with, after ``--hf-overrides``."""
+    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    return {name: getattr(text, name, None) for name in (
+        "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+        "max_position_embeddings", "original_max_position_embeddings")}
+
+
+def fingerprint_facts(vllm_config: Any, weights_digest: str, span_config: Any) -> dict[str, Any]:
+    """Everything a stored block's KV bytes depend on besides its tokens, by name: the
+    weights' content and revision, overrides, quantization, dtype, block size, rotary config,
+    the KV page layout, span ids and minipic's engine code (any change: another key)."""
+    from span_contract.engine_config import plugin_code_hash
+
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    facts = {
+    overrides = model.hf_overrides
+    return {
         "layout_version": LAYOUT_VERSION,
+        "engine_code": plugin_code_hash(),
         "weights": weights_digest,
+        "revision": model.revision,
+        "hf_overrides": overrides if isinstance(overrides, dict) else repr(overrides),
+        "quantization": model.quantization,
+        "rotary": _rotary_facts(model),
         "architecture": list(getattr(model.hf_config, "architectures", None) or []),
         "dtype": str(model.dtype),
         "kv_cache_dtype": vllm_config.cache_config.cache_dtype,
@@ -152,9 +201,15 @@ def config_fingerprint(vllm_config: Any, weights_digest: str, span_config: Any) 
         "layers": model.get_num_layers_by_block_type(parallel, "attention"),
         "kv_heads": model.get_num_kv_heads(parallel),
         "head_size": model.get_head_size(),
-        "tensor_parallel": [parallel.tensor_parallel_size, parallel.rank],
+        "tensor_parallel": parallel.tensor_parallel_size,
         "span_config": span_config.model_dump() if span_config is not None else None,
         "hash_algo": vllm_config.cache_config.prefix_caching_hash_algo,
         "page": page_layout(vllm_config),
     }
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def config_fingerprint(vllm_config: Any, weights_digest: str, span_config: Any) -> str:
+    """Digest of ``fingerprint_facts`` (the same in every process of one configuration)."""
+    facts = fingerprint_facts(vllm_config, weights_digest, span_config)
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=repr).encode()
+                          ).hexdigest()[:32]

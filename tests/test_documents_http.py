@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -266,6 +267,10 @@ BAD_CHAT = [
     ({"documents": [{"text": "x"}], "tools": [{"type": "function",
                                                "function": {"name": "f"}}]}, "tools"),
     ({"minipic": {"mode": "prefix"}}, "documents"),
+    ({"documents": ["x"], "messages": [{"role": ["user"], "content": "q?"}]}, "messages[0].role"),
+    ({"documents": ["x"], "messages": [{"role": {"r": 1}, "content": "q?"}]}, "messages[0].role"),
+    ({"documents": ["x"] * 1025}, "documents"),  # over --max-documents (1024)
+    ({"documents": ["ok", "y" * 1_000_001]}, "documents[1].text"),  # over --max-document-chars
 ]
 
 
@@ -316,3 +321,70 @@ def test_budget_errors_and_other_bad_bodies_leave_the_server_serving(server, cli
         messages, add_generation_prompt=True, tokenize=True)
     ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
     assert plain.usage.prompt_tokens == len(ids)
+
+
+def test_a_body_over_the_limit_gets_a_413_and_the_server_keeps_serving(server, client) -> None:
+    """A client declaring a 64 MiB body (the limit is 32 MiB) is refused before the body is
+    read: a raw HTTP request, so the body need not be sent at all."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(server.base_url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 67108864\r\n\r\n{")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply[:300]
+    error = json.loads(payload)["error"]
+    assert error["type"] == "RequestTooLargeError" and "--max-body-mib" in error["message"]
+    plain = client.completions.create(model="minipic", prompt="river", max_tokens=1)
+    assert plain.choices[0].text is not None
+
+
+def test_health_answers_while_a_large_request_is_laid_out(server, seed) -> None:
+    """Documents are tokenized off the event loop: /health, sent while a request of ~8 MB of
+    documents is being laid out, answers before that request does (it then fails its budget:
+    far over max_model_len). Were the layout on the loop, /health would wait for all of it."""
+    rng = random.Random(seed)
+    docs = [{"text": words(rng, 150_000)[:990_000]} for _ in range(8)]
+    body = {"model": "minipic", "messages": [{"role": "user", "content": "which river?"}],
+            "max_tokens": 1, "documents": docs}
+    order: list[str] = []
+
+    async def run() -> tuple[int, float]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
+            async def big() -> int:
+                response = await http.post("/v1/chat/completions", json=body)
+                order.append("documents")
+                return response.status_code
+
+            task = asyncio.create_task(big())
+            await asyncio.sleep(1.0)  # the body is sent and being laid out (several seconds)
+            assert not task.done(), "the layout finished before /health was sent: too small"
+            started = asyncio.get_running_loop().time()
+            health = await http.get("/health")
+            waited = asyncio.get_running_loop().time() - started
+            order.append("health")
+            assert health.status_code == 200
+            return await task, waited
+
+    status, waited = asyncio.run(run())
+    assert status == 400  # the budget: 8 documents of ~160k tokens each
+    assert order == ["health", "documents"], (order, f"/health waited {waited:.2f} s")
+
+
+def test_documents_for_an_unknown_model_are_refused_before_any_prefill(server) -> None:
+    before = stats(server)["prefills_sent"]
+    response = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "model": "no-such-adapter", "messages": [{"role": "user", "content": "which?"}],
+        "documents": [{"text": f"a cold document {random.random()}"}]}, timeout=60)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["param"] == "model" and "no-such-adapter" in error["message"]
+    assert stats(server)["prefills_sent"] == before  # nothing was prefilled for it

@@ -28,6 +28,7 @@ from conftest import ServerProcess
 from orchestrator import SyncOrchestrator
 
 TINY = ("--model", "tiny-llama", "--max-model-len", "2048")
+API_KEY = "lifecycle-test-key"
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -127,7 +128,8 @@ def servers() -> Iterator[dict[str, Future]]:
     """The two servers the tests below take apart, booting together from the module's first
     test on (each start is mostly vLLM's import, on one core: the two overlap)."""
     boot = ThreadPoolExecutor(2, thread_name_prefix="boot")
-    pending = {"plain": ServerProcess(*TINY), "reset": ServerProcess(*TINY, "--enable-cache-reset")}
+    pending = {"plain": ServerProcess(*TINY, "--", "--api-key", API_KEY),
+               "reset": ServerProcess(*TINY, "--enable-cache-reset")}
     futures = {name: boot.submit(server.start) for name, server in pending.items()}
     yield futures
     boot.shutdown(wait=True)
@@ -145,7 +147,13 @@ def test_sigkill_of_serve_leaves_no_engine_behind(leftovers, servers) -> None:
     # the reset route is off unless the operator asks for it, and says how to turn it on
     resp = httpx.post(server.base_url + "/minipic/reset_prefix_cache", timeout=10)
     assert resp.status_code == 403 and "--enable-cache-reset" in resp.json()["error"]["message"]
-    assert httpx.get(server.base_url + "/minipic/config", timeout=10).json()["cache_reset"] is False
+    # with --api-key, minipic's routes (store fingerprint, paths, counters) ask for it, as /v1 does
+    for path in ("/minipic/config", "/minipic/documents"):
+        denied = httpx.get(server.base_url + path, timeout=10)
+        assert denied.status_code == 401 and "fingerprint" not in denied.text, (path, denied.text)
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    config = httpx.get(server.base_url + "/minipic/config", headers=key, timeout=10).json()
+    assert config["cache_reset"] is False and config["enabled"] is True
     os.kill(server.proc.pid, signal.SIGKILL)  # a crash: `minipic serve` gets no say
     server.proc.wait()
     assert wait_gone(procs, 20) == []

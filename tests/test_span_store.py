@@ -153,15 +153,34 @@ def test_tenants_never_load_each_others_spans(disk_llm, ref, seed) -> None:
     assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
 
 
-def test_corrupt_truncated_and_foreign_entries_are_misses(disk_llm, ref, store_dir,
-                                                          seed) -> None:
+def test_corrupt_truncated_foreign_forged_and_special_entries_are_misses(
+        disk_llm, ref, store_dir, tmp_path, seed) -> None:
+    import os
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from store_faults import _forge
+
+    from engine_ext.span_store.tiers import Entry
+
     llm = disk_llm
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, ref.vocab_size, [30, 30, 30])
+    prompt = _prompt(llm, rng, ref.vocab_size, [30, 30, 30, 30])
     before_files = set(_entries(store_dir))
     _saved(llm, prompt)
     mine = sorted(set(_entries(store_dir)) - before_files)
-    assert len(mine) >= 3, mine
+    assert len(mine) >= 6, mine
+    # forged: a well-formed entry MAC-ed under a secret that is not the store's; a symlink to
+    # a valid copy of the very entry kept outside the store; a FIFO (must not hang the step)
+    fp = _stats(llm)["fingerprint"]
+    key = mine[3].name[:-len(".kvb")]
+    mine[3].write_bytes(_forge(key, Entry(os.urandom(mine[3].stat().st_size // 2), {"home": 0}),
+                               os.urandom(32), fp))
+    (tmp_path / mine[4].name).write_bytes(mine[4].read_bytes())
+    mine[4].unlink()
+    mine[4].symlink_to(tmp_path / mine[4].name)
+    mine[5].unlink()
+    os.mkfifo(mine[5], 0o600)
     # one entry bit-flipped in its payload, one truncated, one with another fingerprint
     data = bytearray(mine[0].read_bytes())
     data[-7] ^= 0xFF
@@ -178,13 +197,15 @@ def test_corrupt_truncated_and_foreign_entries_are_misses(disk_llm, ref, store_d
     before = _counts(llm)
     out = _generate(llm, [prompt.token_ids], _params())[0]
     after = _counts(llm)
-    assert _delta(after, before, "failed_loads") >= 3, (before, after)
+    assert _delta(after, before, "failed_loads") >= 6, (before, after)
     assert out.num_cached_tokens < prompt.span_tokens
     err = _error(out, prompt, ref)
     assert err < REFERENCE_TOL, f"a bad entry changed the output: {err:.2e} (seed={seed})"
     # the damaged entries were removed; the final recomputed those blocks and saved them anew
     for path, bad in zip(mine[:2], damaged, strict=True):
         assert not path.exists() or path.read_bytes() != bad, f"{path.name} still damaged"
+    for path in mine[4:6]:  # the symlink and the FIFO are gone (or replaced by a real entry)
+        assert not path.is_symlink() and (not path.exists() or path.is_file()), path
 
 
 def test_store_deleted_under_a_running_engine(disk_llm, ref, store_dir, seed) -> None:
@@ -206,13 +227,51 @@ def test_store_deleted_under_a_running_engine(disk_llm, ref, store_dir, seed) ->
 # -- replicas on one shared tier; a corpus bigger than the pool -----------------------------
 
 
-def _start_with(store, pool_blocks: int | None = None, max_model_len: int = 2048) -> object:
+def test_other_weights_on_the_same_store_load_nothing(disk_llm, ref, store_dir, tmp_path,
+                                                      seed) -> None:
+    """A second engine on the same store directory, with the same model files but other
+    weights (one tensor perturbed): the spans the first engine stored are never loaded, and its
+    output equals the block-mask reference of its own weights (a fresh engine's)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from span_contract.engine_config import close_llm
+    from span_contract.span_store_config import SpanStoreConfig
+
+    rng = random.Random(seed)
+    prompt = _prompt(disk_llm, rng, ref.vocab_size, [40, 30])
+    _saved(disk_llm, prompt)
+    model = Path(disk_llm.minipic_settings.model)
+    other = tmp_path / "other-weights"
+    shutil.copytree(model, other)
+    weights = next(other.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = sorted(n for n in tensors if "layers.0" in n and n.endswith("weight"))[0]
+    generator = torch.Generator().manual_seed(seed)
+    tensors[name] = tensors[name] + 0.05 * torch.randn(tensors[name].shape,
+                                                        generator=generator)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    llm = _start_with(SpanStoreConfig(dir=str(store_dir), ram_mib=0), model=str(other))
+    try:
+        before = _counts(llm)
+        out = _generate(llm, [prompt.token_ids], _params())[0]
+        after = _counts(llm)
+        assert out.num_cached_tokens == 0 and _delta(after, before, "loaded_blocks") == 0
+        assert _stats(llm)["fingerprint"] != _stats(disk_llm)["fingerprint"]
+        err = _error(out, prompt, PicReference(str(other)))
+        assert err < REFERENCE_TOL, f"off its own weights' reference by {err:.2e} (seed={seed})"
+    finally:
+        close_llm(llm)
+
+
+def _start_with(store, pool_blocks: int | None = None, max_model_len: int = 2048,
+                model: str = "tiny-llama") -> object:
     """An engine with ``store`` (a SpanStoreConfig or None), optionally a pool of
     ``pool_blocks`` KV blocks (vLLM's ``num_gpu_blocks_override``)."""
     from span_contract.engine_config import EngineSettings, build_llm
 
     extra = {} if pool_blocks is None else {"num_gpu_blocks_override": pool_blocks}
-    return build_llm(EngineSettings(model="tiny-llama", pic=True, max_model_len=max_model_len,
+    return build_llm(EngineSettings(model=model, pic=True, max_model_len=max_model_len,
                                     span_store=store, extra=extra))
 
 

@@ -14,8 +14,10 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
 from engine_ext.span_store.metrics import (
+    PERSISTENT_TIERS,
     SOURCES,
     TIERS,
+    WRITE_EVENTS,
     SpanStorePromMetrics,
     SpanStoreStats,
     StatsDelta,
@@ -88,7 +90,8 @@ def test_prometheus_children_per_engine_and_label(seed) -> None:
     for _ in range(20):
         engine = rng.choice((0, 1))
         data = {f"cached_{rng.choice(SOURCES)}": rng.randrange(1, 500),
-                f"tokens_{rng.choice(TIERS)}": rng.randrange(1, 500)}
+                f"tokens_{rng.choice(TIERS)}": rng.randrange(1, 500),
+                f"{rng.choice(WRITE_EVENTS)}_{rng.choice(PERSISTENT_TIERS)}": rng.randrange(3)}
         stats = SpanStoreStats(data=data).aggregate(stats)
         prom.observe(data, engine)
         sent[engine].update(data)
@@ -103,5 +106,48 @@ def test_prometheus_children_per_engine_and_label(seed) -> None:
                                             {"model_name": "m", "engine": str(engine),
                                              "source": tier})
             assert got == sent[engine][f"tokens_{tier}"], (seed, engine, tier)
+        for event, metric in (("write_pauses", "write_pauses"),
+                              ("writes_resumed", "write_resumes")):
+            for tier in PERSISTENT_TIERS:
+                got = registry.get_sample_value(f"minipic:span_store_{metric}_total",
+                                                {"model_name": "m", "engine": str(engine),
+                                                 "tier": tier})
+                assert got == sent[engine][f"{event}_{tier}"], (seed, engine, event, tier)
     assert stats.reduce() == dict(sorted((sent[0] + sent[1]).items()))
     assert not stats.is_empty() and SpanStoreStats(data={}).is_empty()
+
+
+def test_worker_write_events_ship_once(tmp_path, seed, monkeypatch) -> None:
+    """The worker's tiers' pauses and resumes reach the scheduler's counters as increases,
+    each once. A full disk by ``os.open`` raising ENOSPC for the store's new files (as in
+    ``test_span_store_tiers``'s fault matrix: a real ENOSPC needs a mount namespace)."""
+    import errno
+    import os
+
+    from engine_ext.span_store.tiers import DirTier, Entry, TieredStore
+    from engine_ext.span_store.worker_side import PageCopier
+    from engine_ext.span_store.write_backoff import WriteBackoff
+
+    clock = SimpleNamespace(now=0.0)
+    tier = DirTier(tmp_path, 1 << 24, "fp", backoff=WriteBackoff(clock=lambda: clock.now))
+    copier = PageCopier(TieredStore(None, [tier]), Entry)
+    rng = random.Random(seed)
+    real_open = os.open
+
+    def full(path, flags, *args, **kwargs):
+        if str(path).startswith(str(tmp_path)) and flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", full)
+    for _ in range(3):  # the first write and two failed probes: three pauses
+        assert not tier.put(rng.randbytes(32).hex(), Entry(b"x" * 10, {}))
+        clock.now += 1000
+    paused = copier.tier_events()
+    assert paused == {"write_pauses_disk": 3} and copier.tier_events() == {}
+    monkeypatch.undo()
+    assert tier.put(rng.randbytes(32).hex(), Entry(b"x" * 10, {}))
+    resumed = copier.tier_events()
+    assert resumed == {"writes_resumed_disk": 1}
+    shipped = StatsDelta().take(Counter(paused) + Counter(resumed))
+    assert shipped == {"write_pauses_disk": 3, "writes_resumed_disk": 1}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from engine_ext.span_store.tiers import (
     RamTier,
     TieredStore,
 )
+from engine_ext.span_store.write_backoff import WriteBackoff
 
 pytestmark = pytest.mark.fast
 
@@ -105,6 +107,16 @@ def temp_files(root: Path) -> list[Path]:
 def py_env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path}
+
+
+class Clock:
+    """A clock the test advances: write back-off (``write_backoff``) made deterministic."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class GatedTier(DirTier):
@@ -216,14 +228,16 @@ def test_dir_round_trip_format_and_sharding(tmp_path, rng):
         assert tier.entry_path(k) == path and path.is_file()
         raw = path.read_bytes()
         magic, version, fp_len, meta_len, payload_len, digest = HEADER.unpack(raw[:HEADER.size])
-        assert (magic, version) == (MAGIC, 1)
+        assert (magic, version) == (MAGIC, tiers.FORMAT_VERSION)
         assert raw[HEADER.size:HEADER.size + fp_len] == FP.encode()
         meta = raw[HEADER.size + fp_len:HEADER.size + fp_len + meta_len]
         assert json.loads(meta) == e.meta and raw[-payload_len:] == e.payload
         key_b = k.encode()
-        expect = hashlib.sha256(raw[:24] + struct.pack("<H", len(key_b)) + key_b
-                                + raw[HEADER.size:]).digest()
-        assert digest == expect  # sha256 over header fields, key, fingerprint, meta, payload
+        secret = (tmp_path / "store" / ".store-key").read_bytes()
+        expect = hmac.new(secret, raw[:24] + struct.pack("<H", len(key_b)) + key_b
+                          + raw[HEADER.size:], hashlib.sha256).digest()
+        # HMAC over header fields, key, fingerprint, meta, payload under the store's secret
+        assert digest == expect
     assert sorted(tier.keys()) == sorted(items)
     assert not temp_files(tmp_path)
     gone = next(iter(items))
@@ -332,7 +346,7 @@ def test_dir_foreign_config_and_newer_format_are_kept_misses(tmp_path, rng, logs
     ours.put(newer, entry_for(rng))
     path = ours.entry_path(newer)
     raw = bytearray(path.read_bytes())
-    raw[8:10] = struct.pack("<H", 2)
+    raw[8:10] = struct.pack("<H", tiers.FORMAT_VERSION + 1)
     path.write_bytes(bytes(raw))
     assert ours.get(newer) is None and ours.get(newer) is None and path.exists()
     assert len(logs.warnings(tiers.KEPT_REASONS["newer"])) == 1
@@ -418,7 +432,8 @@ def test_dir_startup_removes_only_stray_temp_files(tmp_path, rng):
 
 def test_dir_deleted_under_a_running_tier_gives_misses(tmp_path, rng, logs):
     root = tmp_path / "store"
-    tier = DirTier(root, 64 << 20, FP)
+    clock = Clock()
+    tier = DirTier(root, 64 << 20, FP, backoff=WriteBackoff(clock=clock))
     store = TieredStore(None, [tier])
     items = {key_for(rng): entry_for(rng) for _ in range(4)}
     for k, e in list(items.items())[:3]:
@@ -442,12 +457,20 @@ def test_dir_deleted_under_a_running_tier_gives_misses(tmp_path, rng, logs):
     store.flush(5)
     assert store.get(last) is None and list(tier.keys()) == []
     assert not tier.writes_enabled
-    assert len(logs.warnings("writes are off")) == 1
+    assert len(logs.warnings("writes paused for 1 s")) == 1
+    # the directory can be made again: after the pause, the next write is the probe
+    root.unlink()
+    clock.now += 1.5
+    assert tier.writes_enabled and tier.put(last, items[last]) and tier.get(last) == items[last]
+    assert len(logs.warnings("writes resumed")) == 1 and tier.stats()["writes_resumed"] == 1
     store.close()
-    # a tier started where no directory can be: reads miss, writes off with one warning
+    # a tier started where no directory can be: no secret, so no store at all, said once
+    shutil.rmtree(root)
+    root.write_bytes(b"not a directory")
     late = DirTier(root / "sub", 64 << 20, FP)
-    assert not late.writes_enabled and late.get(last) is None and list(late.keys()) == []
-    assert not late.put(last, items[last]) and len(logs.warnings("writes are off")) == 2
+    assert not late.usable and not late.writes_enabled and late.get(last) is None
+    assert list(late.keys()) == [] and not late.has(last)
+    assert not late.put(last, items[last]) and len(logs.warnings("is not used")) == 1
 
 
 # -- DirTier: full and read-only disks ----------------------------------------------------------
@@ -455,6 +478,13 @@ def test_dir_deleted_under_a_running_tier_gives_misses(tmp_path, rng, logs):
 FAULT_SCRIPT = r"""
 import json, logging, os, random, subprocess, sys
 from engine_ext.span_store.tiers import DirTier, Entry
+from engine_ext.span_store.write_backoff import WriteBackoff
+
+class Clock:
+    now = 1000.0
+    def __call__(self):
+        return self.now
+clock = Clock()
 
 full_dir, ro_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rng = random.Random(seed)
@@ -468,7 +498,7 @@ log.addHandler(H()); log.setLevel(logging.DEBUG)
 out = {}
 
 # a full disk: 4 MiB tmpfs, capacity far above it
-tier = DirTier(full_dir, 1 << 30, "fp")
+tier = DirTier(full_dir, 1 << 30, "fp", backoff=WriteBackoff(clock=clock))
 written = {}
 for i in range(40):
     k, e = rng.randbytes(32).hex(), Entry(rng.randbytes(300_000), {"i": i})
@@ -482,10 +512,17 @@ out["full_reads_ok"] = all(tier.get(k) == e for k, e in written.items())
 out["full_stats"] = tier.stats()
 out["full_warnings"] = list(warnings)
 out["full_temps"] = [n for _, _, fs in os.walk(full_dir) for n in fs if n.startswith(".tmp.")]
+# space freed by an operator: after the pause a probe write succeeds and writing resumes
+for k in list(written)[:3]:
+    tier.delete(k)
+clock.now += 1.5
+out["full_probe"] = tier.put(rng.randbytes(32).hex(), Entry(b"z" * 1000, {}))
+out["full_resumed"] = tier.stats()["writes_resumed"]
+out["full_resume_warnings"] = list(warnings[len(out["full_warnings"]):])
 warnings.clear()
 
 # a read-only disk: written while writable, then remounted read-only under the running tier
-tier = DirTier(ro_dir, 1 << 30, "fp")
+tier = DirTier(ro_dir, 1 << 30, "fp", backoff=WriteBackoff(clock=clock))
 before = {}
 for i in range(3):
     k, e = rng.randbytes(32).hex(), Entry(rng.randbytes(100_000), {"i": i})
@@ -498,10 +535,14 @@ out["ro_reads_ok"] = all(tier.get(k) == e for k, e in before.items())
 out["ro_stats"] = tier.stats()
 out["ro_warnings"] = list(warnings)
 warnings.clear()
-again = DirTier(ro_dir, 1 << 30, "fp")  # a restart on the read-only store still serves reads
+# a restart on the read-only store still serves reads
+again = DirTier(ro_dir, 1 << 30, "fp", backoff=WriteBackoff(clock=clock))
 out["ro_restart_reads_ok"] = all(again.get(k) == e for k, e in before.items())
 out["ro_restart_put"] = again.put(rng.randbytes(32).hex(), Entry(b"y", {}))
 out["ro_restart_warnings"] = list(warnings)
+subprocess.run(["mount", "-o", "remount,rw", ro_dir], check=True)
+clock.now += 1.5
+out["ro_probe"] = tier.put(rng.randbytes(32).hex(), Entry(b"w" * 1000, {}))
 print("RESULT " + json.dumps(out))
 """
 
@@ -517,7 +558,7 @@ def _userns_tmpfs_available(probe: Path) -> str | None:
     return None if res.returncode == 0 else (res.stderr.strip() or f"rc {res.returncode}")
 
 
-def test_full_and_read_only_disk_turn_writes_off_once_real(tmp_path, seed):
+def test_full_and_read_only_disk_pause_writes_until_a_probe_succeeds_real(tmp_path, seed):
     """Real faults: a 4 MiB tmpfs fills up (ENOSPC) and another is remounted read-only (EROFS)
     under a running tier, both inside a user+mount namespace so nothing outlives the test.
     (Tests run as root here, where chmod 0555 would not stop a single write.)"""
@@ -541,24 +582,31 @@ def test_full_and_read_only_disk_turn_writes_off_once_real(tmp_path, seed):
     assert 5 <= out["full_written"] < 40
     assert out["full_more_puts"] == [False] * 3 and out["full_reads_ok"]
     assert not out["full_stats"]["writes_enabled"] and out["full_stats"]["hits"] >= 5
-    assert len(out["full_warnings"]) == 1 and "writes are off" in out["full_warnings"][0]
+    assert out["full_stats"]["write_pauses"] == 1
+    assert len(out["full_warnings"]) == 1 and "writes paused" in out["full_warnings"][0]
     assert "No space left" in out["full_warnings"][0]
     assert out["full_temps"] == []  # the failed write cleaned up its temp file
+    assert out["full_probe"] is True and out["full_resumed"] == 1
+    assert len(out["full_resume_warnings"]) == 1
+    assert "resumed" in out["full_resume_warnings"][0]
     assert out["ro_puts"] == [False] * 3 and out["ro_reads_ok"]
     assert len(out["ro_warnings"]) == 1 and "Read-only" in out["ro_warnings"][0]
     assert out["ro_restart_reads_ok"] and out["ro_restart_put"] is False
     assert len(out["ro_restart_warnings"]) == 1
+    assert out["ro_probe"] is True  # remounted read-write: the first tier writes again
 
 
 @pytest.mark.parametrize(("code", "stage"), [
     ("ENOSPC", "open"), ("EROFS", "open"), ("EACCES", "open"), ("EPERM", "open"),
     ("EDQUOT", "open"), ("ENOSPC", "fsync"), ("EDQUOT", "fsync"),
 ])
-def test_write_fault_matrix_turns_writes_off_once(tmp_path, rng, logs, monkeypatch, code, stage):
+def test_write_fault_matrix_pauses_writes_then_a_probe_resumes(tmp_path, rng, logs, monkeypatch,
+                                                                 code, stage):
     """Monkeypatched (the one place here): ``os.open`` of the store's own temp files, or
     ``os.fsync``, raises ``code`` — the errnos a quota or a permission change give, which this
     machine cannot produce for real. Every other call goes to the real function."""
-    tier = DirTier(tmp_path, 64 << 20, FP)
+    clock = Clock()
+    tier = DirTier(tmp_path, 64 << 20, FP, backoff=WriteBackoff(clock=clock))
     store = TieredStore(RamTier(64 << 20), [tier])
     good = {key_for(rng): entry_for(rng) for _ in range(3)}
     for k, e in good.items():
@@ -588,11 +636,28 @@ def test_write_fault_matrix_turns_writes_off_once(tmp_path, rng, logs, monkeypat
     assert all(tier.get(k) == e for k, e in good.items())  # reads keep working
     assert not any(tier.has(k) for k, _ in fresh)
     assert temp_files(tmp_path) == []
-    warned = logs.warnings("writes are off")
+    warned = logs.warnings("writes paused for 1 s")
     assert len(warned) == 1 and os.strerror(err) in warned[0], logs.warnings()
     st = tier.stats()
-    assert st["writes_enabled"] is False and st["write_errors"] == 1
+    assert st["writes_enabled"] is False and st["write_errors"] == 1 and st["writes_paused"]
     assert store.stats()["skipped_writes_off"] == 2
+    # the fault persists: the probe after the pause fails and the next pause is twice as long
+    clock.now += 1.5
+    assert tier.writes_enabled and not tier.put(*fresh[0]) and not tier.writes_enabled
+    assert len(logs.warnings("writes paused for 2 s")) == 1
+    # the fault is gone: the probe after the pause writes, and writing resumes
+    monkeypatch.undo()
+    clock.now += 1.5
+    assert not tier.writes_enabled  # still inside the 2 s pause
+    clock.now += 1.0
+    assert tier.put(*fresh[0]) and tier.get(fresh[0][0]) == fresh[0][1]
+    assert len(logs.warnings("writes resumed")) == 1
+    st = tier.stats()
+    assert st["writes_enabled"] and not st["writes_paused"] and st["writes_resumed"] == 1
+    assert st["write_pauses"] == 2
+    store.put(*fresh[1])
+    store.flush(5)
+    assert tier.get(fresh[1][0]) == fresh[1][1]
     store.close()
 
 

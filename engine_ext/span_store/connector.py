@@ -61,12 +61,17 @@ class SpanStoreWorkerMetadata(KVConnectorWorkerMetadata):
     failed: list[int] = field(default_factory=list)
     saved: list[str] = field(default_factory=list)
     not_saved: list[str] = field(default_factory=list)
+    # increases of the tiers' write counters ("write_pauses_disk": 1, ...; metrics.WRITE_EVENTS)
+    tier_events: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, SpanStoreWorkerMetadata)
+        events = dict(self.tier_events)
+        for name, count in other.tier_events.items():
+            events[name] = events.get(name, 0) + count
         return SpanStoreWorkerMetadata(self.loaded + other.loaded, self.failed + other.failed,
                                        self.saved + other.saved,
-                                       self.not_saved + other.not_saved)
+                                       self.not_saved + other.not_saved, events)
 
 
 def _tiers(config: SpanStoreConfig, fingerprint: str) -> list[Any]:
@@ -74,11 +79,23 @@ def _tiers(config: SpanStoreConfig, fingerprint: str) -> list[Any]:
 
     tiers = []
     if config.dir:
-        tiers.append(DirTier(config.dir, int(config.disk_gib * 2**30), fingerprint, "disk"))
+        tiers.append(DirTier(config.dir, int(config.disk_gib * 2**30), fingerprint, "disk",
+                             group_access=config.group_access))
     if config.shared_dir:
         tiers.append(DirTier(config.shared_dir, int(config.shared_gib * 2**30), fingerprint,
-                             "shared"))
-    return tiers
+                             "shared", group_access=config.group_access))
+    return [tier for tier in tiers if tier.usable]  # an unusable one said why in the log
+
+
+def _weights_digest(config: SpanStoreConfig, model_config: Any) -> str:
+    """The digest of the weights this engine runs: the launcher's, if it was computed for this
+    model and revision, else computed here (cached on disk); "" when unknown (no store)."""
+    from span_contract.span_store_config import weights_digest, weights_identity
+
+    of = weights_identity(str(model_config.model), model_config.revision)
+    if config.weights_digest and config.weights_of == of:
+        return config.weights_digest
+    return weights_digest(str(model_config.model), model_config.revision)
 
 
 class MinipicSpanStore(KVConnectorBase_V1):
@@ -98,16 +115,34 @@ class MinipicSpanStore(KVConnectorBase_V1):
             raise EngineIntegrationError(
                 "the minipic span store fills blocks before a step's forward; async "
                 "scheduling and pipeline parallelism would let a fill race an earlier write")
-        self.fingerprint = config_fingerprint(vllm_config, self.config.weights_digest, span)
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            from span_contract.engine_config import TP_STORE_MESSAGE
+
+            raise EngineIntegrationError(TP_STORE_MESSAGE)
+        digest = _weights_digest(self.config, vllm_config.model_config)
+        self.fingerprint = config_fingerprint(vllm_config, digest, span)
         self.block_size = vllm_config.cache_config.block_size
-        tiers = _tiers(self.config, self.fingerprint)
+        if digest:
+            tiers = _tiers(self.config, self.fingerprint)
+        else:
+            tiers = []
+            self.config = self.config.model_copy(update={"ram_mib": 0})
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning(
+                    "minipic span store is off: the weights of %s cannot be found to name "
+                    "them (a model id that is not downloaded?); a store entry must name the "
+                    "weights that computed it", vllm_config.model_config.model)
         self.lookup = None
         self.pages = None
         self._results = SpanStoreWorkerMetadata()
         if role == KVConnectorRole.SCHEDULER:
             from engine_ext.span_store.scheduler_side import StoreLookup
 
-            self.lookup = StoreLookup(tiers, self.fingerprint, self.block_size, span)
+            sched = vllm_config.scheduler_config
+            chunk = (getattr(sched, "long_prefill_token_threshold", 0)
+                     or sched.max_num_batched_tokens) if sched.enable_chunked_prefill else None
+            self.lookup = StoreLookup(tiers, self.fingerprint, self.block_size, span,
+                                      chunk_tokens=chunk)
             logger.info("minipic span store: fingerprint %s, tiers %s (RAM %d MiB in the "
                         "worker)", self.fingerprint, [t.name for t in tiers], self.config.ram_mib)
         else:
@@ -159,6 +194,7 @@ class MinipicSpanStore(KVConnectorBase_V1):
         if manager is not None:
             self.lookup.on_worker_output(manager, meta.loaded, meta.failed, meta.saved,
                                          meta.not_saved)
+        self.lookup.counts.update(meta.tier_events)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         if self.lookup is not None:
@@ -247,7 +283,10 @@ class MinipicSpanStore(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         results, self._results = self._results, SpanStoreWorkerMetadata()
-        if not (results.loaded or results.failed or results.saved or results.not_saved):
+        if self.pages is not None:
+            results.tier_events = self.pages.tier_events()
+        if not (results.loaded or results.failed or results.saved or results.not_saved
+                or results.tier_events):
             return None
         return results
 

@@ -22,7 +22,11 @@ Metrics (Prometheus adds ``_total`` to counters):
   finished request, at finish;
 * ``minipic:span_store_loaded_tokens{source=ram|disk|shared}`` -- tokens filled from each tier,
   at fill time (a fill whose request was aborted still counts here);
-* ``minipic:span_store_blocks{event=saved|loaded|failed_load|skipped_no_room}``.
+* ``minipic:span_store_blocks{event=saved|loaded|failed_load|skipped_no_room}``;
+* ``minipic:span_store_write_pauses{tier=disk|shared}`` and
+  ``minipic:span_store_write_resumes{tier}`` -- a tier's writes paused after a full, read-only
+  or forbidden disk (each failed probe pauses again, longer) and resumed when a probe write
+  succeeded (``write_backoff``); reported by the worker, which does the writes.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 SOURCES = ("pool", "store_ram", "store_disk", "store_shared")
 TIERS = ("ram", "disk", "shared")
 BLOCK_EVENTS = ("saved", "loaded", "failed_load", "skipped_no_room")
+PERSISTENT_TIERS = ("disk", "shared")
+WRITE_EVENTS = ("write_pauses", "writes_resumed")  # DirTier counters the worker reports
 # the scheduler-side counter each payload field is the increase of
 _COUNT_OF_EVENT = {"saved": "saved_blocks", "loaded": "loaded_blocks",
                    "failed_load": "failed_loads", "skipped_no_room": "skipped_no_room"}
@@ -76,6 +82,9 @@ class StatsDelta:
             current[f"tokens_{tier}"] = counts.get(f"tokens_{tier}", 0)
         for event, name in _COUNT_OF_EVENT.items():
             current[event] = counts.get(name, 0)
+        for event in WRITE_EVENTS:
+            for tier in PERSISTENT_TIERS:
+                current[f"{event}_{tier}"] = counts.get(f"{event}_{tier}", 0)
         delta = {k: v - self._reported.get(k, 0) for k, v in current.items()
                  if v > self._reported.get(k, 0)}
         self._reported = current
@@ -142,6 +151,15 @@ class SpanStorePromMetrics(KVConnectorPromMetrics):
         per_label(
             "tokens_{}", "minipic:span_store_loaded_tokens",
             "Tokens filled into the pool from each span store tier.", "source", TIERS)
+        per_label(
+            "write_pauses_{}", "minipic:span_store_write_pauses",
+            "Times a span store tier paused its writes after a write failed with a full, "
+            "read-only or forbidden disk (retried after a growing pause).", "tier",
+            PERSISTENT_TIERS)
+        per_label(
+            "writes_resumed_{}", "minipic:span_store_write_resumes",
+            "Times a span store tier resumed writing after a pause (a probe write succeeded).",
+            "tier", PERSISTENT_TIERS)
         per_label(
             "{}", "minipic:span_store_blocks",
             "Span store block events: saved, loaded, failed loads (a miss, the block is "

@@ -26,7 +26,7 @@ copies them after the forward. Blocks found in the pool or the store are never r
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,10 @@ from engine_ext.span_store.metrics import StatsDelta
 from span_contract.span_config import SpanConfig, spans_opted_in
 
 logger = logging.getLogger("vllm.minipic.span_store")
+
+# Keys this engine's worker saved, remembered so that a lookup needs no stat: bounded (an LRU),
+# because a key the RAM tier evicted long ago is as likely on disk as any other (one stat).
+MAX_KNOWN_KEYS = 1 << 16
 
 
 @dataclass
@@ -53,12 +57,18 @@ class StoreLookup:
     """Scheduler-side state: known keys, fills in flight, saves planned, counters."""
 
     def __init__(self, tiers: list[Any], fingerprint: str, block_size: int,
-                 span_config: SpanConfig) -> None:
+                 span_config: SpanConfig, chunk_tokens: int | None = None,
+                 max_known: int = MAX_KNOWN_KEYS) -> None:
         self.tiers = tiers  # persistent tiers (``has`` only; the worker reads them)
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.span_config = span_config
-        self.known: set[str] = set()  # saved by this engine's worker (RAM or on its way)
+        # the most prompt tokens one step computes for a request (chunked prefill): the room
+        # a request needs beside its fills
+        self.chunk_tokens = chunk_tokens
+        self.max_known = max_known
+        # saved by this engine's worker and held by its store (RAM or on its way), LRU
+        self.known: OrderedDict[str, None] = OrderedDict()
         self.requests: dict[str, Any] = {}
         # request -> its preemption count at its store round (one round per admission)
         self.looked_up: dict[str, int] = {}
@@ -80,6 +90,7 @@ class StoreLookup:
     def source_of(self, key: str) -> str | None:
         """Which tier has ``key`` (None: nobody); RAM is what this engine saved."""
         if key in self.known:
+            self.known.move_to_end(key)
             return "ram"
         for tier in self.tiers:
             if tier.has(key):
@@ -118,14 +129,14 @@ class StoreLookup:
         if wanted:
             pool.touch(hits)  # held while fresh blocks are taken (LRU eviction skips them)
             try:
-                # The fills become the request's own blocks: what it needs beyond its hits and
-                # the fills of others must still be free afterwards, or nothing is filled now
-                # (the request cannot run yet anyway) and the lookup is tried again later.
-                own = -(-request.num_tokens // bs) - len(hits) - len(waits)
-                if pool.get_num_free_blocks() < own:
-                    self.counts["skipped_no_room"] += 1
-                    return
-                blocks = pool.get_new_blocks(len(wanted))
+                room = pool.get_num_free_blocks() - self._first_chunk_blocks(
+                    request, len(hits) + len(waits) + len(wanted))
+                if room < len(wanted):
+                    # as many fills as leave room for the request's first chunk; the rest it
+                    # computes (a miss costs time, never a stall or wrong KV)
+                    self.counts["skipped_no_room"] += len(wanted) - max(room, 0)
+                    wanted = wanted[:max(room, 0)]
+                blocks = pool.get_new_blocks(len(wanted)) if wanted else []
             finally:
                 pool.free_blocks(reversed(hits))
             for (index, key), block in zip(wanted, blocks, strict=True):
@@ -137,6 +148,15 @@ class StoreLookup:
         self.looked_up[rid] = request.num_preemptions  # one store round per admission
         if waits:
             self.waiting[rid] = waits
+
+    def _first_chunk_blocks(self, request: Any, covered: int) -> int:
+        """Free blocks the request needs to compute its first chunk once ``covered`` of its
+        blocks are hits or fills (chunked prefill allocates chunk by chunk)."""
+        bs = self.block_size
+        left = max(request.num_tokens - covered * bs, 1)
+        if self.chunk_tokens:
+            left = min(left, self.chunk_tokens)
+        return -(-left // bs) + 1  # the chunk may straddle one more block
 
     def note(self, request: Any) -> None:
         """Every request the scheduler looks up (for its cached-token split at finish)."""
@@ -173,7 +193,9 @@ class StoreLookup:
                 if not flags[index] or index >= len(ids):
                     continue
                 key = entry_key(self.fingerprint, request.block_hashes[index])
-                if key in self.saving or self.source_of(key) is not None:
+                # no stat here: a block this step computes missed the store at its lookup, and
+                # a writer that finds the file already there (another replica's) skips it
+                if key in self.saving or key in self.known:
                     continue
                 self.saving.add(key)
                 saves.append((ids[index], key, index))
@@ -183,10 +205,20 @@ class StoreLookup:
 
     def on_worker_output(self, manager: Any, loaded: list[tuple[int, str]],
                          failed: list[int], saved: list[str], not_saved: list[str]) -> None:
-        """Hash filled blocks into the pool, free failed ones, learn saved keys."""
+        """Hash filled blocks into the pool, free failed ones, learn saved keys.
+
+        A block some worker failed to fill is failed, whatever another reported: with several
+        workers (vLLM concatenates their reports) a block is cached only if every one of them
+        loaded its part."""
+        failed_ids = set(failed)
+        loaded = [(block_id, source) for block_id, source in loaded
+                  if block_id not in failed_ids]
         for key in saved:
             self.saving.discard(key)
-            self.known.add(key)
+            self.known[key] = None
+            self.known.move_to_end(key)
+            if len(self.known) > self.max_known:
+                self.known.popitem(last=False)
             self.counts["saved_blocks"] += 1
         for key in not_saved:
             self.saving.discard(key)
@@ -206,11 +238,11 @@ class StoreLookup:
                 for rid in load.waiters & self.requests.keys():  # not finished yet
                     self.filled_for.setdefault(rid, Counter())[source] += bs
             pool.free_blocks([load.block])
-        for block_id in failed:
+        for block_id in failed_ids:
             load = self._finish(block_id)
             if load is None:
                 continue
-            self.known.discard(load.key)
+            self.known.pop(load.key, None)
             self.counts["failed_loads"] += 1
             pool.free_blocks([load.block])
 

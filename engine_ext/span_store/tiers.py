@@ -29,18 +29,21 @@ every folder small — hex-digest keys spread uniformly over them)::
     10     2     F: fingerprint length (bytes of UTF-8)
     12     4     M: metadata JSON length
     16     8     P: payload length
-    24     32    sha256 digest over: bytes 0..24, the key (u16 length + UTF-8), fingerprint,
-                 metadata JSON, payload
+    24     32    HMAC-SHA256 under the store's secret over: bytes 0..24, the key (u16 length +
+                 UTF-8), fingerprint, metadata JSON, payload
     56     F     fingerprint (the tier's config fingerprint, UTF-8)
     56+F   M     metadata JSON (UTF-8, sorted keys)
     56+F+M P     payload
 
-The checksum is sha256 (``hashlib``, no dependency; the hash minipic already uses for block
-hashes and model files): on CPUs with SHA extensions (current x86 and ARMv8) it ran ~1.7 GB/s
-on the dev machine against ~1 GB/s for blake2b, so verifying a 2 MB block costs ~1 ms. A CRC
-would be faster but has 32 bits; the digest makes a wrong-bytes read practically impossible. It
-covers the key as well, so a file copied or renamed under another key never verifies, and the
-header's lengths, so a damaged length field is caught too.
+The MAC is HMAC-SHA256 (``hmac``/``hashlib``, no dependency) keyed by a secret each store
+directory creates at first use (``store_files``: why, and the file modes, no-follow opens and
+bounded reads that keep other local users from reading or planting KV). On CPUs with SHA
+extensions sha256 ran ~1.7 GB/s on the dev machine, so verifying a 2 MB block costs ~1 ms. A
+CRC would be faster but has 32 bits and no key; the MAC makes a wrong-bytes read practically
+impossible and a forged one impossible without the secret. It covers the key as well, so a
+file copied or renamed under another key never verifies, and the header's lengths, so a
+damaged length field is caught too. Format version 1 (an unkeyed sha256) reads as an old
+format and is removed.
 
 **Crash safety.** A writer creates a uniquely named temp file (``.tmp.<host>.<pid>.<rand>.<key>``)
 in the entry's shard folder, holds an ``flock`` on it, writes, fsyncs and then *links* it to the
@@ -76,9 +79,11 @@ foreign-format files are removed. Each reason is logged once per tier (logger
 directory holds another configuration's entries.
 
 **Faults never reach the caller.** A full or read-only disk (``ENOSPC``, ``EROFS``, ``EACCES``,
-``EPERM``, ``EDQUOT``) turns the tier's writes off with one warning; reads keep working. A store
-directory deleted under a running process gives misses; the next write recreates it (or, if it
-cannot, turns writes off with one warning).
+``EPERM``, ``EDQUOT``) pauses the tier's writes with a warning, for 1 s, then 2 s, 4 s ... up to
+5 minutes (``write_backoff``); the first write after a pause is a probe, and when it succeeds
+writing resumes (logged, and counted as ``write_pauses`` / ``writes_resumed``). Reads keep
+working throughout. A store directory deleted under a running process gives misses; the next
+write recreates it (or, if it cannot, pauses writes the same way).
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -103,11 +109,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_ext.span_store.store_files import (
+    Modes,
+    NotAnEntry,
+    entry_mac,
+    load_secret,
+    make_dir,
+    open_entry,
+    read_exactly,
+    remove_entry_name,
+)
+from engine_ext.span_store.write_backoff import WriteBackoff
+
 logger = logging.getLogger("vllm.minipic.span_store")
 
 MAGIC = b"MPICSPAN"
-FORMAT_VERSION = 1
-# magic, version, fingerprint length, meta length, payload length, sha256 digest
+FORMAT_VERSION = 2  # 2: HMAC under the store's secret (1: unkeyed sha256)
+# magic, version, fingerprint length, meta length, payload length, HMAC-SHA256
 HEADER = struct.Struct("<8sHHIQ32s")
 HASHED_HEADER_BYTES = 24  # the header up to (not including) the digest
 SUFFIX = ".kvb"
@@ -133,7 +151,8 @@ REMOVED_REASONS = {
     "format": "not a span-store entry (bad magic or metadata)",
     "version": "an entry of an older or unknown format version",
     "length": "truncated or extended (its size disagrees with its header)",
-    "checksum": "damaged (checksum mismatch)",
+    "checksum": "damaged or forged (MAC mismatch)",
+    "special": "not a regular file (a symlink, FIFO, device or folder) or larger than the tier",
 }
 KEPT_REASONS = {
     "foreign": "written by another model or config (fingerprint differs)",
@@ -326,14 +345,16 @@ class DirTier:
     """Persistent tier on a directory: the local disk (default) or a directory shared by
     several replicas or nodes. See the module docstring for format and semantics.
 
-    ``has`` is one ``stat``; ``get`` reads and verifies the whole file; ``put`` writes
-    atomically and returns False when writes are off or failed. No method raises for an I/O
-    fault; an invalid key is a ``ValueError`` (a caller bug).
+    ``has`` is one ``lstat``; ``get`` reads and verifies the whole file; ``put`` writes
+    atomically and returns False when writes are paused or failed. No method raises for an I/O
+    fault; an invalid key is a ``ValueError`` (a caller bug). A tier whose secret cannot be read
+    (``store_files``) is *unusable*: every lookup misses and nothing is written.
     """
 
     def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str,
                  name: str = "disk", *, fsync: bool = True, stale_temp_s: float = 300.0,
-                 rescan_interval_s: float = 300.0, header_sample: int = 64) -> None:
+                 rescan_interval_s: float = 300.0, header_sample: int = 64,
+                 group_access: bool = False, backoff: WriteBackoff | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if not fingerprint:
@@ -354,47 +375,72 @@ class DirTier:
         self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (size, mtime_ns)
         self._bytes = 0  # sum of indexed sizes
         self._reserved = 0  # bytes of writes in flight
-        self._writes_enabled = True
+        self.modes = Modes.for_access(group_access)
+        self._backoff = backoff or WriteBackoff()
         self._logged: set[str] = set()
         self._c = dict.fromkeys(
             ("hits", "misses", "corrupt_removed", "foreign_skipped", "read_errors", "writes",
              "already_present", "write_errors", "skipped_writes_off", "too_large", "evictions",
-             "temps_removed"), 0)
+             "temps_removed", "write_pauses", "writes_resumed"), 0)
         self._last_scan = 0.0
+        self._secret: bytes | None = None
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            make_dir(self.path, self.modes)
+            self._secret = load_secret(self.path, self.modes)
         except OSError as exc:
-            self._disable_writes(exc, "cannot create the store directory")
-        found = self._scan(sample=header_sample)
+            logger.warning("span store %r at %s is not used: %s", self.name, self.path,
+                           exc.strerror or exc)
+        found = self._scan(sample=header_sample) if self._secret is not None else []
         with self._lock:
             self._install_index(found, since_ns=None)
 
     # -- public API --------------------------------------------------------------------------
 
     @property
+    def usable(self) -> bool:
+        """False when the store's secret could not be read or created: no reads, no writes."""
+        return self._secret is not None
+
+    @property
     def writes_enabled(self) -> bool:
-        return self._writes_enabled
+        """Whether a write may be tried now (not paused after a fault; see ``write_backoff``)."""
+        return self._secret is not None and self._backoff.allowed()
 
     def entry_path(self, key: str) -> Path:
         check_key(key)
         return self.path / key[:2] / f"{key}{SUFFIX}"
 
     def has(self, key: str) -> bool:
-        """Whether a file is under ``key``'s name (one stat; not verified: ``get`` may still
-        miss if the file turns out damaged or foreign)."""
+        """Whether a regular file is under ``key``'s name (one ``lstat``; not verified: ``get``
+        may still miss if the file turns out damaged or foreign)."""
+        if self._secret is None:
+            return False
         try:
-            return stat.S_ISREG(os.stat(self.entry_path(key)).st_mode)
+            return stat.S_ISREG(os.lstat(self.entry_path(key)).st_mode)
         except OSError:
             return False
 
     def get(self, key: str) -> Entry | None:
         """Read and verify the entry; None on any miss, fault or failed verification."""
         path = self.entry_path(key)
+        if self._secret is None:
+            self._miss(key, forget=False)
+            return None
         try:
-            with open(path, "rb") as fh:
-                st = os.fstat(fh.fileno())
-                result = self._read_verified(key, fh, st)
+            fd, st = open_entry(path.parent, path.name, self.capacity_bytes)
+            try:
+                result = self._read_verified(key, fd, st)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
+            self._miss(key, forget=True)
+            return None
+        except NotAnEntry:
+            self._count("corrupt_removed")
+            self._log_once("special", logging.WARNING,
+                           "span store %r: %s is %s; treated as a miss and removed",
+                           self.name, path, REMOVED_REASONS["special"])
+            remove_entry_name(path.parent, path.name)
             self._miss(key, forget=True)
             return None
         except OSError as exc:
@@ -408,9 +454,9 @@ class DirTier:
             self._reject(key, path, st, result)
             return None
         now = time.time_ns()
-        if self._writes_enabled:
+        if self.writes_enabled:
             with contextlib.suppress(OSError):  # LRU recency is best effort (read-only mounts)
-                os.utime(path, ns=(now, now))
+                os.utime(path, ns=(now, now), follow_symlinks=False)
         with self._lock:
             self._c["hits"] += 1
             old = self._index.pop(key, None)
@@ -425,11 +471,11 @@ class DirTier:
         there — an existing entry is never overwritten), False when writes are off, the entry is
         larger than the capacity, or the write failed."""
         path = self.entry_path(key)
-        if not self._writes_enabled:
+        if not self.writes_enabled:
             self._count("skipped_writes_off")
             return False
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except OSError:
             st = None
         if st is not None:
@@ -451,9 +497,14 @@ class DirTier:
             mtime = self._write_file(key, path, parts)
             exists = mtime is None
         except _DirectoryVanished as exc:
-            self._disable_writes(exc, "the store directory vanished and cannot be recreated")
+            self._pause_writes(exc, "the store directory vanished and cannot be recreated")
         except OSError as exc:
             self._on_write_error(exc, path)
+        else:
+            if self._backoff.succeeded():
+                self._count("writes_resumed")
+                logger.warning("span store %r at %s: a write succeeded again; writes resumed",
+                               self.name, self.path)
         finally:
             with self._lock:
                 self._reserved -= size
@@ -466,13 +517,13 @@ class DirTier:
                     self._bytes += size
         if exists:  # another writer published this key first: its entry stands
             with contextlib.suppress(OSError):
-                self._note_present(key, os.stat(path))
+                self._note_present(key, os.lstat(path))
             return True
         return mtime is not None
 
     def delete(self, key: str) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.entry_path(key))
+        path = self.entry_path(key)
+        remove_entry_name(path.parent, path.name)
         self._forget(key)
 
     def keys(self) -> Iterator[str]:
@@ -498,13 +549,14 @@ class DirTier:
         with self._lock:
             return {"name": self.name, "path": str(self.path), "entries": len(self._index),
                     "bytes": self._bytes, "capacity_bytes": self.capacity_bytes,
-                    "writes_enabled": self._writes_enabled, **self._c}
+                    "usable": self._secret is not None, "writes_enabled": self.writes_enabled,
+                    "writes_paused": self._backoff.paused, **self._c}
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _read_verified(self, key: str, fh: Any, st: os.stat_result) -> Entry | str:
+    def _read_verified(self, key: str, fd: int, st: os.stat_result) -> Entry | str:
         """The verified entry, or the reason it is not one (a key of the *_REASONS tables)."""
-        head = fh.read(HEADER.size)
+        head = read_exactly(fd, HEADER.size)
         if len(head) < len(MAGIC) or head[:len(MAGIC)] != MAGIC:
             return "format"
         if len(head) < HEADER.size:
@@ -514,12 +566,14 @@ class DirTier:
             return "newer" if version > FORMAT_VERSION else "version"
         if st.st_size != HEADER.size + fp_len + meta_len + payload_len:
             return "length"
-        fp = fh.read(fp_len)
-        meta_json = fh.read(meta_len)
-        payload = fh.read(payload_len)
+        fp = read_exactly(fd, fp_len)
+        meta_json = read_exactly(fd, meta_len)
+        payload = read_exactly(fd, payload_len)
         if len(fp) != fp_len or len(meta_json) != meta_len or len(payload) != payload_len:
             return "length"  # shrank while we read it
-        if _digest(head[:HASHED_HEADER_BYTES], key, fp, meta_json, payload) != digest:
+        assert self._secret is not None
+        mac = entry_mac(self._secret, head[:HASHED_HEADER_BYTES], key, fp, meta_json, payload)
+        if not hmac.compare_digest(mac, digest):
             return "checksum"
         if fp != self._fp:
             return "foreign"
@@ -545,7 +599,7 @@ class DirTier:
                        "span store %r: entry %s is %s; treated as a miss and removed",
                        self.name, key, REMOVED_REASONS[reason])
         with contextlib.suppress(OSError):
-            now = os.stat(path)
+            now = os.lstat(path)
             if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):  # still the file we read
                 os.unlink(path)
         self._miss(key, forget=True)
@@ -574,21 +628,25 @@ class DirTier:
         meta_json = entry.meta_json
         fixed = struct.pack("<8sHHIQ", MAGIC, FORMAT_VERSION, len(self._fp), len(meta_json),
                             len(entry.payload))
-        digest = _digest(fixed, key, self._fp, meta_json, entry.payload)
-        return [fixed + digest, self._fp, meta_json, entry.payload]
+        assert self._secret is not None
+        mac = entry_mac(self._secret, fixed, key, self._fp, meta_json, entry.payload)
+        return [fixed + mac, self._fp, meta_json, entry.payload]
 
     def _write_file(self, key: str, path: Path, parts: list[bytes]) -> int | None:
         """Write ``parts`` to a temp file, fsync, publish under ``path``. The mtime written, or
         None if another writer published ``key`` first (our copy is discarded)."""
         shard = path.parent
         tmp = shard / f"{TEMP_PREFIX}{_HOST_ID}.{os.getpid()}.{secrets.token_hex(4)}.{key}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
-            fd = os.open(tmp, flags, 0o644)
+            if os.path.islink(shard):  # never write through a planted symlink
+                raise OSError(errno.ELOOP, f"shard folder {shard} is a symlink")
+            fd = os.open(tmp, flags, self.modes.file)
         except (FileNotFoundError, NotADirectoryError):
             self._recreate(shard)
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, self.modes.file)
         try:
+            os.fchmod(fd, self.modes.file)  # the tier's mode, not the umask's
             with contextlib.suppress(OSError):  # marks the temp file live for other cleaners
                 fcntl.flock(fd, fcntl.LOCK_EX)
             _write_all(fd, parts)
@@ -613,7 +671,7 @@ class DirTier:
         recreated, raise ``_DirectoryVanished``; any other failure is an ordinary write error."""
         root_gone = not self.path.is_dir()
         try:
-            shard.mkdir(parents=True, exist_ok=True)
+            make_dir(shard, self.modes)
         except OSError as exc:
             if root_gone:
                 raise _DirectoryVanished(exc.errno, exc.strerror) from exc
@@ -634,7 +692,7 @@ class DirTier:
             self._bytes -= old_size
             path = self.path / key[:2] / f"{key}{SUFFIX}"
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
             except OSError:
                 continue  # already gone
             if st.st_mtime_ns > mtime and key not in second_chance:
@@ -648,22 +706,21 @@ class DirTier:
 
     def _on_write_error(self, exc: OSError, path: Path) -> None:
         if exc.errno in _WRITES_OFF_ERRNOS:
-            self._disable_writes(exc, f"writing {path} failed")
+            self._pause_writes(exc, f"writing {path} failed")
             return
         self._count("write_errors")
         self._log_once(f"write-{exc.errno}", logging.WARNING,
                        "span store %r: writing %s failed (%s); this entry is not stored",
                        self.name, path, exc.strerror or exc)
 
-    def _disable_writes(self, exc: OSError, what: str) -> None:
+    def _pause_writes(self, exc: OSError, what: str) -> None:
+        pause = self._backoff.failed()
         with self._lock:
             self._c["write_errors"] += 1
-            if not self._writes_enabled:
-                return
-            self._writes_enabled = False
-        logger.warning("span store %r at %s: %s (%s); writes are off from now on, reads "
-                       "continue", self.name, self.path, what,
-                       exc.strerror or errno.errorcode.get(exc.errno or 0, exc))
+            self._c["write_pauses"] += 1
+        logger.warning("span store %r at %s: %s (%s); writes paused for %.0f s, then retried "
+                       "(reads continue)", self.name, self.path, what,
+                       exc.strerror or errno.errorcode.get(exc.errno or 0, exc), pause)
 
     # -- scanning ----------------------------------------------------------------------------
 
@@ -726,11 +783,12 @@ class DirTier:
     def _remove_if_stale(self, path: Path, name: str, now: float) -> bool:
         """Remove a temp file no live writer can own (see the module docstring)."""
         parts = name.split(".", 5)  # '', 'tmp', host id, pid, random, key
+        safe = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | safe)
         except PermissionError:  # another user's temp file: read-only is enough for flock
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | safe)
             except OSError:
                 return False
         except OSError:
@@ -762,13 +820,18 @@ class DirTier:
         hits = 0
         for _, key, _ in picked:
             try:
-                with open(self.path / key[:2] / f"{key}{SUFFIX}", "rb") as fh:
-                    head = fh.read(HEADER.size)
-                    if len(head) < HEADER.size or head[:len(MAGIC)] != MAGIC:
-                        continue
-                    fp = fh.read(HEADER.unpack(head)[2])
+                fd, _st = open_entry(self.path / key[:2], f"{key}{SUFFIX}", self.capacity_bytes)
             except OSError:
                 continue
+            try:
+                head = read_exactly(fd, HEADER.size)
+                if len(head) < HEADER.size or head[:len(MAGIC)] != MAGIC:
+                    continue
+                fp = read_exactly(fd, HEADER.unpack(head)[2])
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
             if fp != self._fp:
                 hits += 1
                 foreign.add(fp.decode(errors="replace")[:48])
@@ -791,17 +854,6 @@ class DirTier:
             first = reason not in self._logged
             self._logged.add(reason)
         logger.log(level if first else logging.DEBUG, msg, *args)
-
-
-def _digest(fixed: bytes, key: str, fp: bytes, meta_json: bytes, payload: bytes) -> bytes:
-    key_b = key.encode()
-    h = hashlib.sha256(fixed)
-    h.update(struct.pack("<H", len(key_b)))
-    h.update(key_b)
-    h.update(fp)
-    h.update(meta_json)
-    h.update(payload)
-    return h.digest()
 
 
 class _Writer:
@@ -950,20 +1002,25 @@ class TieredStore:
                 self._tier_fault(tier, "has")
         return None
 
-    def put(self, key: str, entry: Entry) -> None:
-        """RAM now; each persistent tier through its writer (never blocks; see class doc)."""
+    def put(self, key: str, entry: Entry) -> bool:
+        """RAM now; each persistent tier through its writer (never blocks; see class doc).
+        True if the entry is held somewhere afterwards (RAM, or queued for a tier): the
+        scheduler only counts on entries that are."""
         if self.tiers:
             check_key(key)  # in the caller's thread: a bad key is the caller's bug
+        in_ram = False
         if self.ram is not None:
             self.ram.put(key, entry)
+            in_ram = key in self.ram
         with self._lock:
             if self._closed:
                 self._c["skipped_closed"] += 1
-                return
+                return in_ram
             if key in self._pending:
-                return  # already on its way
+                return True  # already on its way
             slot = [entry, 1]  # this call holds one reference until every writer has it
             self._pending[key] = slot
+        queued = False
         for writer in self._writers:
             if not writer.tier.writes_enabled:
                 outcome = "skipped_writes_off"
@@ -972,6 +1029,7 @@ class TieredStore:
                     slot[1] += 1  # before offering: the writer may finish at once
                 if writer.offer(key, entry):
                     outcome = "queued"
+                    queued = True
                 else:
                     with self._lock:
                         slot[1] -= 1
@@ -979,6 +1037,7 @@ class TieredStore:
             with self._lock:
                 self._c[outcome] += 1
         self._write_done(key)  # drop this call's reference
+        return in_ram or queued
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued write has been attempted (or ``timeout`` seconds passed;

@@ -36,6 +36,23 @@ class PageCopier:
         self.caches: list[torch.Tensor] = []
         self.page_bytes = 0
         self.builder: Any = None
+        self._reported: dict[str, int] = {}  # tier write counters as last reported
+
+    def tier_events(self) -> dict[str, int]:
+        """Increases of the persistent tiers' write counters since the last call (for
+        ``/metrics``: the scheduler, which exports them, does no writes itself)."""
+        from engine_ext.span_store.metrics import WRITE_EVENTS
+
+        out: dict[str, int] = {}
+        for tier in self.store.tiers:
+            stats = tier.stats()
+            for event in WRITE_EVENTS:
+                name = f"{event}_{tier.name}"
+                grown = int(stats.get(event, 0)) - self._reported.get(name, 0)
+                if grown > 0:
+                    out[name] = grown
+                    self._reported[name] = int(stats[event])
+        return out
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from engine_ext.rope_attention_backend import BUILDERS
@@ -53,7 +70,8 @@ class PageCopier:
                 "dtype": str(self.caches[0].dtype)}
 
     def save(self, block_id: int, key: str, slot: int) -> bool:
-        """Copy a block out (all layers) and hand it to the store."""
+        """Copy a block out (all layers) and hand it to the store; False if the store holds it
+        nowhere (RAM too small, every writer's queue full or writes paused)."""
         home = slot
         if self.builder is not None:
             home = int(self.builder.home.slots_of(torch.tensor([block_id]))[0])
@@ -61,8 +79,8 @@ class PageCopier:
                 return False  # never written here: nothing to save
         pages = torch.cat([cache[block_id].reshape(-1).view(torch.uint8).cpu()
                            for cache in self.caches])
-        self.store.put(key, self.entry_cls(pages.numpy().tobytes(), self._meta(home)))
-        return True
+        return bool(self.store.put(key, self.entry_cls(pages.numpy().tobytes(),
+                                                       self._meta(home))))
 
     def load(self, block_id: int, key: str) -> tuple[str, int] | None:
         """Fill ``block_id`` from the store; ``(source, home slot)`` or None (a miss)."""

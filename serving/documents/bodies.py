@@ -17,6 +17,7 @@ OpenAI-format 400; nothing is sent to the engine for such a request.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -43,6 +44,47 @@ CHAT_REFUSED = {
 }
 # vLLM's default when a completions request sets no max_tokens (room kept for the answer)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class Limits:
+    """What one request may carry (``minipic serve --max-body-mib / --max-documents /
+    --max-document-chars``, through the server's environment).
+
+    Why limits at all: the body is read whole and every document is tokenized before anything
+    runs; without a bound one request of 50 MB or 10,000 documents holds a tokenizer thread and
+    the server's memory for as long as it likes. The defaults are far above any context a
+    served model takes (a 1M-character document is ~250k tokens)."""
+
+    BODY_ENV = "MINIPIC_MAX_BODY_MIB"
+    DOCUMENTS_ENV = "MINIPIC_MAX_DOCUMENTS"
+    DOCUMENT_CHARS_ENV = "MINIPIC_MAX_DOCUMENT_CHARS"
+
+    def __init__(self, body_bytes: int = 32 << 20, documents: int = 1024,
+                 document_chars: int = 1_000_000) -> None:
+        self.body_bytes = body_bytes
+        self.documents = documents
+        self.document_chars = document_chars
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Limits:
+        env = os.environ if environ is None else environ
+        default = cls()
+
+        def number(name: str, fallback: float) -> float:
+            try:
+                value = float(env.get(name, fallback))
+            except ValueError:
+                return fallback
+            return value if value > 0 else fallback
+
+        return cls(body_bytes=int(number(cls.BODY_ENV, default.body_bytes / 2**20) * 2**20),
+                   documents=int(number(cls.DOCUMENTS_ENV, default.documents)),
+                   document_chars=int(number(cls.DOCUMENT_CHARS_ENV, default.document_chars)))
+
+    def env(self) -> dict[str, str]:
+        return {self.BODY_ENV: f"{self.body_bytes / 2**20:g}",
+                self.DOCUMENTS_ENV: str(self.documents),
+                self.DOCUMENT_CHARS_ENV: str(self.document_chars)}
 
 
 class BodyError(BadInputError):
@@ -84,13 +126,16 @@ def _text(value: Any, where: str, *, required: bool = True) -> str | None:
     return value
 
 
-def _documents(value: Any, where: str) -> list[dict[str, str]]:
+def _documents(value: Any, where: str, limits: Limits) -> list[dict[str, str]]:
     if not isinstance(value, list):
         raise BodyError(f"{where} must be a list of documents ({{\"text\": ...}}), got "
                         f"{type(value).__name__}", where)
     if not value:
         raise BodyError(f"{where} is empty: send at least one document, or leave the field out "
                         f"for a request without documents", where)
+    if len(value) > limits.documents:
+        raise BodyError(f"{where} has {len(value)} documents; this server takes at most "
+                        f"{limits.documents} per request (minipic serve --max-documents)", where)
     out = []
     for i, doc in enumerate(value):
         item = f"{where}[{i}]"
@@ -107,6 +152,11 @@ def _documents(value: Any, where: str) -> list[dict[str, str]]:
             raise BodyError(f"{item} has no \"text\"", f"{item}.text")
         text = _text(doc["text"], f"{item}.text")
         title = _text(doc.get("title"), f"{item}.title", required=False)
+        size = len(str(text)) + len(title or "")
+        if size > limits.document_chars:
+            raise BodyError(f"{item} has {size} characters; this server takes at most "
+                            f"{limits.document_chars} per document (minipic serve "
+                            f"--max-document-chars)", f"{item}.text")
         span: dict[str, str] = {"text": f"{title}: {text}" if title else str(text)}
         if doc.get("id") is not None:
             span_id = _text(doc["id"], f"{item}.id")
@@ -162,6 +212,9 @@ def _conversation(messages: Any) -> tuple[str | None, str]:
         if not isinstance(message, Mapping):
             raise BodyError(f"{where} must be an object", where)
         role = message.get("role")
+        if not isinstance(role, str):
+            raise BodyError(f"{where}.role must be a string, got {type(role).__name__}",
+                            f"{where}.role")
         if role in SYSTEM_ROLES:
             system.append(_content(message, where))
         elif role in ("user", "assistant"):
@@ -197,8 +250,9 @@ def _salt(body: Mapping[str, Any]) -> str | None:
     return salt
 
 
-def parse(route: Route, body: dict[str, Any]) -> DocumentsRequest:
+def parse(route: Route, body: dict[str, Any], limits: Limits | None = None) -> DocumentsRequest:
     """The layout inputs of a request that ``wants_documents``; raises :class:`BodyError`."""
+    limits = limits or Limits()
     if route == "chat":
         for key, why in CHAT_REFUSED.items():
             if body.get(key) not in (None, [], {}, False):
@@ -207,7 +261,7 @@ def parse(route: Route, body: dict[str, Any]) -> DocumentsRequest:
         if DOCUMENTS_KEY not in body or body[DOCUMENTS_KEY] is None:
             raise BodyError(f"a {MINIPIC_KEY} object on /v1/chat/completions needs documents "
                             f"in the \"{DOCUMENTS_KEY}\" field", DOCUMENTS_KEY)
-        documents = _documents(body[DOCUMENTS_KEY], DOCUMENTS_KEY)
+        documents = _documents(body[DOCUMENTS_KEY], DOCUMENTS_KEY, limits)
         system, question = _conversation(body.get("messages"))
         max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), 1)
     else:
@@ -219,7 +273,7 @@ def parse(route: Route, body: dict[str, Any]) -> DocumentsRequest:
         question = str(_text(options["question"], f"{MINIPIC_KEY}.question"))
         if "documents" not in options:
             raise BodyError(f"{MINIPIC_KEY}.documents is required", f"{MINIPIC_KEY}.documents")
-        documents = _documents(options["documents"], f"{MINIPIC_KEY}.documents")
+        documents = _documents(options["documents"], f"{MINIPIC_KEY}.documents", limits)
         system = _text(options.get("system"), f"{MINIPIC_KEY}.system", required=False)
         max_tokens = _max_tokens(body, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS)
     if not question.strip():

@@ -11,7 +11,11 @@ that does is checked (``bodies``), laid out and prefilled (``server_side``), rew
 
 both with ``vllm_xargs.minipic_spans = true``. The response gets a ``minipic`` object (layout,
 span statuses, expected cached tokens, skipped documents): at the top of a JSON response, in the
-first event of a stream. Bad bodies get an OpenAI-format 400 naming the item.
+first event of a stream. Bad bodies get an OpenAI-format 400 naming the item; a body over
+``Limits.body_bytes`` gets a 413 before it is read further (plain requests too: the middleware
+would otherwise hold any size in memory); a documents request naming a LoRA adapter or an
+unknown model is refused before any span is prefilled (spans are prefilled on the base model,
+whose KV an adapter's final would never hit).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from serving.documents.bodies import (
     MINIPIC_KEY,
     ROUTES,
     BodyError,
+    Limits,
     parse,
     wants_documents,
 )
@@ -43,15 +48,48 @@ Send = Callable[[Message], Awaitable[None]]
 STATE_ATTR = "minipic_documents"  # app.state: the ServerSide, set by the endpoint plugin
 
 
-async def _read_body(receive: Receive) -> bytes:
+class BodyTooLarge(Exception):
+    """The request body is over the server's limit."""
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
     chunks = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ConnectionError("client disconnected while sending the body")
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _declared_length(scope: Scope) -> int | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _model_problem(scope: Scope, body: dict[str, Any]) -> tuple[int, str, str] | None:
+    """A documents request must run on the base model: ``(status, message, type)`` if not."""
+    name = body.get("model")
+    models = getattr(scope["app"].state, "openai_serving_models", None) if "app" in scope else None
+    if name is None or models is None or models.is_base_model(name):
+        return None
+    if name in getattr(models, "lora_requests", {}):
+        return (400, f"documents run on the base model, not on the LoRA adapter {name!r}: the "
+                     f"spans are prefilled and cached with the base model's KV, which the "
+                     f"adapter's final would never hit; send documents with model "
+                     f"{models.model_name()!r}", "BadRequestError")
+    return 404, f"The model `{name}` does not exist.", "NotFoundError"
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -164,17 +202,27 @@ class EvidenceSend:
 class DocumentsMiddleware:
     """Documents requests on the standard routes (see the module docstring)."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]],
+                 limits: Limits | None = None) -> None:
         self.app = app
+        self.limits = limits or Limits.from_env()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = ROUTES.get(scope.get("path", "")) if scope.get("type") == "http" else None
         if route is None or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
+        declared = _declared_length(scope)
         try:
-            raw = await _read_body(receive)
+            if declared is not None and declared > self.limits.body_bytes:
+                raise BodyTooLarge
+            raw = await _read_body(receive, self.limits.body_bytes)
         except ConnectionError:
+            return
+        except BodyTooLarge:
+            await _error(send, 413, f"the request body is over this server's limit of "
+                                    f"{self.limits.body_bytes} bytes (minipic serve "
+                                    f"--max-body-mib)", None, "RequestTooLargeError")
             return
         body = None
         # only a body naming one of the two fields can ask for documents: plain requests skip
@@ -193,8 +241,13 @@ class DocumentsMiddleware:
                                     "without it (started with --no-pic?); send a plain prompt",
                          DOCUMENTS_KEY if route == "chat" else MINIPIC_KEY)
             return
+        problem = _model_problem(scope, body)
+        if problem is not None:
+            status, message, kind = problem
+            await _error(send, status, message, "model", kind)
+            return
         try:
-            request = parse(route, body)
+            request = parse(route, body, self.limits)
             prepared = await side.prepare(request)
         except MinipicError as exc:
             await _error(send, 400, str(exc), getattr(exc, "param", None))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,9 @@ class ServerSide:
                                                                  max_model_len))
         self.prefills_sent = 0
         self.requests = 0
+        # Layouts tokenize every document: off the event loop (a large request must not stall
+        # other streams and /health), on one thread (one tokenizer, used one call at a time)
+        self._layout_thread = ThreadPoolExecutor(1, thread_name_prefix="minipic-layout")
 
     def stats(self) -> dict[str, int]:
         return {"requests": self.requests, "prefills_sent": self.prefills_sent,
@@ -97,7 +101,8 @@ class ServerSide:
         return layout(self.orchestrator.builder, request)
 
     async def prepare(self, request: DocumentsRequest) -> Prepared:
-        prompt = self.build(request)
+        loop = asyncio.get_running_loop()
+        prompt = await loop.run_in_executor(self._layout_thread, self.build, request)
         self.requests += 1
         registry = self.orchestrator.registry
         warm = {key for key in prompt.prefill_keys if (request.cache_salt, key) in registry}
