@@ -232,8 +232,11 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         entry_bytes = (kv_cache_spec.block_size * kv_cache_spec.head_size
                        * kv_cache_spec.num_kv_heads * itemsize * len(layer_names))
         longest = -(-vllm_config.model_config.max_model_len // kv_cache_spec.block_size)
-        self.rotated = RotatedBlocks(cap=pool_cap_entries(entry_bytes, longest),
-                                     entry_bytes=entry_bytes)
+        # a private chunk's scratch: keys and values of one layer for one request's table
+        scratch = 2 * longest * entry_bytes // max(len(layer_names), 1)
+        self.rotated = RotatedBlocks(
+            cap=pool_cap_entries(entry_bytes, longest, scratch) if self.position_free else None,
+            entry_bytes=entry_bytes)
         if self.position_free:
             BUILDERS.update(dict.fromkeys(layer_names, self))
 

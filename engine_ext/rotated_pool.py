@@ -18,10 +18,12 @@ written, and is refilled (or its memory given back) later.
 are written, and given back (``madvise(MADV_DONTNEED)``) when a page is evicted. It must fit
 inside the memory the user configured: :func:`install_budget` wraps the CPU worker's
 ``determine_available_memory`` so the KV cache gets ``(1 - share)`` of the configured budget and
-the pool the rest (``MINIPIC_ROTATED_POOL_SHARE``, default 0.1). KV cache and pool together
-never exceed what the user configured. The pool's cap (how many blocks may hold a shadow page)
-follows from its bytes; it is never below one request's longest table
-(``max_model_len / block_size``), so any single request fits.
+the pool the rest (``MINIPIC_ROTATED_POOL_SHARE``, default 0.1), and never less than one
+request needs: its longest table (``max_model_len / block_size`` blocks) of shadow pages plus
+one layer's scratch copy (keys and values) of that table for a private chunk. KV cache and pool
+together never exceed what the user configured, and the pool's cap (how many blocks may hold a
+shadow page) is what its bytes hold after the scratch reserve -- so any single request fits
+and the pool never outgrows its budget.
 
 **One slot per block per kernel call.** A shadow page holds a block at one slot. When the
 requests of one step read the same block at two slots, or more distinct blocks than the cap,
@@ -151,12 +153,35 @@ def pool_share() -> float:
     return share
 
 
-def pool_cap_entries(entry_bytes: int, min_entries: int) -> int | None:
-    """Entry cap of one pool from the worker's budget (None before the budget is known)."""
+def pool_cap_entries(entry_bytes: int, min_entries: int, scratch_bytes: int = 0) -> int | None:
+    """Entry cap of one pool from the worker's budget, after ``scratch_bytes`` kept for a
+    private chunk's scratch copy (None before the budget is known)."""
     budget = _BUDGET["pool_bytes"]
     if budget is None or entry_bytes <= 0:
         return None
-    return max(min_entries, budget // entry_bytes)
+    cap = max(budget - scratch_bytes, 0) // entry_bytes
+    if cap < min_entries:
+        from span_contract.errors import EngineIntegrationError
+
+        raise EngineIntegrationError(
+            f"the rotated-key pool's {budget / 2**20:.0f} MiB hold {cap} blocks after the "
+            f"scratch reserve, fewer than one request's {min_entries}: raise "
+            f"{SHARE_ENV} or the KV space, or lower --max-model-len")
+    return cap
+
+
+def one_request_bytes(vllm_config: Any) -> int:
+    """Pool bytes one request of ``max_model_len`` needs: its table of shadow pages (keys of
+    every attention layer) and one layer's scratch copy of it (keys and values)."""
+    import torch
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    block = vllm_config.cache_config.block_size
+    layers = model.get_num_layers_by_block_type(parallel, "attention")
+    itemsize = torch.tensor([], dtype=model.dtype).element_size()
+    page = block * model.get_num_kv_heads(parallel) * model.get_head_size() * itemsize
+    longest = -(-model.max_model_len // block)
+    return longest * page * layers + 2 * longest * page
 
 
 def install_budget() -> None:
@@ -173,7 +198,14 @@ def install_budget() -> None:
         @functools.wraps(stock)
         def determine_available_memory(self: Any) -> int:
             total = stock(self)
-            pool = int(total * pool_share())
+            pool = max(int(total * pool_share()), one_request_bytes(self.vllm_config))
+            if pool >= total:
+                from span_contract.errors import EngineIntegrationError
+
+                raise EngineIntegrationError(
+                    f"one request of max_model_len needs {pool / 2**20:.0f} MiB of rotated "
+                    f"keys, all of the {total / 2**20:.0f} MiB KV budget: raise the KV space "
+                    f"or lower --max-model-len")
             _BUDGET["pool_bytes"] = pool
             return total - pool
 

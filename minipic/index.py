@@ -168,6 +168,7 @@ class IndexWorkerExtension:
         stats = store.stats()
         tiers = stats.get("tiers") or {}
         return {
+            "tiers": len(tiers),
             "pending_writes": int(stats.get("pending_writes", 0)),
             "skipped_queue_full": int(stats.get("skipped_queue_full", 0)),
             "writer_errors": int(stats.get("writer_errors", 0)),
@@ -216,8 +217,12 @@ class _EmbeddedProbe(_Probe):
     async def durable(self, new_blocks: int) -> str | None:
         (flushed,) = await self.engine.collective_rpc(FLUSH_METHOD, args=(DURABLE_TIMEOUT_S,))
         before, self.last = self.last, flushed
+        if flushed.get("tiers", 1) == 0:
+            return ("the store's writes are off: it has no usable directory (its secret could "
+                    "not be read or created, or the weights are unknown; see the engine log)")
         if not flushed.get("writes_enabled", True):
-            return "the store's writes are off (disk full or read-only; see the engine log)"
+            return ("the store's writes are off for now: paused after a full, read-only or "
+                    "forbidden disk (see the engine log)")
         if flushed.get("pending_writes", 0):
             return f"{flushed['pending_writes']} writes still pending after {DURABLE_TIMEOUT_S} s"
         for key in ("skipped_queue_full", "write_errors", "writer_errors"):
@@ -229,6 +234,8 @@ class _EmbeddedProbe(_Probe):
 class _HttpProbe(_Probe):
     def __init__(self, orc: Orchestrator, store_dir: Path) -> None:
         self.base_url = orc.backend.base_url  # type: ignore[attr-defined]
+        # the server's API key, when the client has one: /minipic/config asks for it too
+        self.headers = dict(getattr(orc.backend, "_headers", None) or {})
         self.store_dir = store_dir
         self.entries = store_usage(store_dir)[0]
 
@@ -237,7 +244,8 @@ class _HttpProbe(_Probe):
 
         from orchestrator.http_backend import CONFIG_PATH
 
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=30,
+                                     headers=self.headers) as client:
             reply = await client.get(CONFIG_PATH)
         reply.raise_for_status()
         stats = reply.json().get("span_store")

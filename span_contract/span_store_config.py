@@ -42,6 +42,12 @@ class SpanStoreConfig(BaseModel):
     group_access: bool = Field(
         False, description="entries 0640 and folders 0750 (replicas of one group on a shared "
                            "mount); default 0600 / 0700, private to the user")
+    read_threads: int = Field(4, ge=0, description="threads reading entries ahead of the step "
+                                                   "(0: on the step's thread)")
+    fill_mib_per_step: float = Field(64.0, gt=0, description="most entry bytes one step copies "
+                                                             "into the pool")
+    read_deadline_s: float = Field(2.0, gt=0, description="a read still running after this is "
+                                                          "given up: the block is computed")
     weights_digest: str = Field("", description="filled by resolved(): the model's weights")
     weights_of: str = Field("", description="the model and revision weights_digest is of")
 

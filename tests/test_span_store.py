@@ -6,15 +6,16 @@ Fresh random token ids every run, against the transformers block-mask reference
 * store-loaded finals: spans prefilled (saved), the pool reset (the spans stay in the store),
   then the final reports the span tokens cached, the store counts them by tier, and its greedy
   tokens and logprobs equal the reference;
-* replicas and restarts: an engine started on the shared directory another engine wrote
-  (after that one stopped) hits every span of its first final (the SIGKILL restart of a real
-  server: ``tests/test_span_store_http.py``); a corpus 4x the pool, with and without the store;
+* replicas: an engine started on the directory another engine writes, as its shared tier,
+  hits every span of its first final (the SIGKILL restart of a real server:
+  ``tests/test_span_store_http.py``); a corpus 4x the pool, with and without the store;
+* other weights on the same directory load nothing, and answer as their own reference;
 * tenants: a salted span is never loaded under another salt or unsalted, at any position;
 * faults: corrupt / truncated / foreign entries and a store deleted under the running engine
   give misses (the output still equals the reference), never wrong KV or a crash.
 
 One engine for the single-engine tests (disk only, so every load reads and verifies a file);
-the replica and corpus tests start their own.
+the replica, other-weights and corpus tests start one more each.
 """
 
 from __future__ import annotations
@@ -275,26 +276,19 @@ def _start_with(store, pool_blocks: int | None = None, max_model_len: int = 2048
                                     span_store=store, extra=extra))
 
 
-def test_two_engines_share_one_tier(ref, tmp_path, seed) -> None:
-    """Replicas on one shared directory, and a restart: a span computed on one engine is
-    loaded by another started after the first stopped (the two never talk; what one saves, the
-    other finds under the same key). Its first final is warm and equals the reference; a
-    block it loaded from the shared tier is then in its own RAM tier too."""
+def test_two_engines_share_one_tier(disk_llm, ref, store_dir, seed) -> None:
+    """Replicas on one directory: what the module's engine saves into it (its disk tier), a
+    second engine started on the same directory as its *shared* tier loads (the two never talk;
+    what one saves, the other finds under the same key, verified under the same secret). Its
+    first final is warm and equals the reference; a block it loaded from the shared tier is
+    then in its own RAM tier too. (A restart after a SIGKILL: ``test_span_store_http.py``.)"""
     from span_contract.engine_config import close_llm
     from span_contract.span_store_config import SpanStoreConfig
 
-    shared = SpanStoreConfig(shared_dir=str(tmp_path / "shared"), ram_mib=16)
-    one = _start_with(shared)
-    try:
-        rng = random.Random(seed)
-        prompt = _prompt(one, rng, ref.vocab_size, [40, 60, 27])
-        before = _counts(one).get("saved_blocks", 0)
-        _prefill(one, prompt.span_prefills)
-        blocks = prompt.span_tokens // one.minipic_settings.block_size
-        assert _counts(one).get("saved_blocks", 0) - before == blocks
-    finally:
-        close_llm(one)  # flushes its writes to the shared tier
-    other = _start_with(shared)
+    rng = random.Random(seed)
+    prompt = _prompt(disk_llm, rng, ref.vocab_size, [40, 60, 27])
+    _saved(disk_llm, prompt)
+    other = _start_with(SpanStoreConfig(shared_dir=str(store_dir), ram_mib=16))
     try:
         out = _generate(other, [prompt.token_ids], _params())[0]
         assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"

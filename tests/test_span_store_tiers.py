@@ -448,6 +448,8 @@ def test_dir_deleted_under_a_running_tier_gives_misses(tmp_path, rng, logs):
     assert tier.get(last) == items[last] and list(tier.keys()) == [last]
     assert tier.stats()["bytes"] == file_size(items[last]) and tier.writes_enabled
     assert len(logs.warnings("vanished")) == 1
+    # the secret came back with the directory: a process starting now reads what it wrote
+    assert DirTier(root, 64 << 20, FP).get(last) == items[last]
     # now the directory cannot come back: a plain file sits where it was
     shutil.rmtree(root)
     root.write_bytes(b"not a directory")

@@ -9,9 +9,13 @@ isolation in attention makes their KV a function of the span's tokens alone, whi
 hash names. No other block is stored: its KV depends on the whole prefix.
 
 **Under which key.** ``keys.entry_key``: the block hash (tokens, span chain, ``cache_salt``, LoRA)
-mixed with a fingerprint of the weights, dtype, block size, span config, KV page layout and
-format version, and vLLM's root hash. Entries also carry the fingerprint in their header: an
-entry written by another model or config is never read. A tenant's blocks hash with its salt, so
+mixed with a fingerprint of everything else the KV bytes depend on (``fingerprint_facts``: the
+weights' content and revision, overrides, quantization, dtype, block size, rotary config, span
+config, KV page layout and minipic's engine code), and vLLM's root hash. Entries also carry the
+fingerprint in their header, under the store's MAC (``store_files``): an entry written by
+another model, config or build, or by anyone without the store's secret, is never read. Weights
+that cannot be found to hash (a hub id not downloaded) mean no store, and tensor parallelism is
+refused until a block can be checked loaded on every rank. A tenant's blocks hash with its salt, so
 another tenant (or no salt) never finds them, at any position.
 
 **Why a loaded block is the block the engine would have computed.** Its bytes are the pages
@@ -146,11 +150,15 @@ class MinipicSpanStore(KVConnectorBase_V1):
             logger.info("minipic span store: fingerprint %s, tiers %s (RAM %d MiB in the "
                         "worker)", self.fingerprint, [t.name for t in tiers], self.config.ram_mib)
         else:
+            from engine_ext.span_store.fill_queue import FillQueue
             from engine_ext.span_store.tiers import Entry, RamTier, TieredStore
             from engine_ext.span_store.worker_side import PageCopier
 
             ram = RamTier(self.config.ram_mib << 20) if self.config.ram_mib else None
             self.pages = PageCopier(TieredStore(ram, tiers), Entry)
+            self.fills = FillQueue(self.pages.store, threads=self.config.read_threads,
+                                   step_bytes=int(self.config.fill_mib_per_step * 2**20),
+                                   deadline_s=self.config.read_deadline_s)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -239,13 +247,15 @@ class MinipicSpanStore(KVConnectorBase_V1):
         self.pages.register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Fill this step's blocks before anything of the step reads the cache."""
+        """Fill the blocks whose reads are done before anything of the step reads the cache
+        (``fill_queue``: reads run ahead on threads; a block lands when its read is done)."""
         if self.pages is None or not isinstance(kv_connector_metadata, SpanStoreMetadata):
             return
+        self.fills.submit(kv_connector_metadata.loads)
         filled, homes = [], []
-        for block_id, key in kv_connector_metadata.loads:
+        for block_id, key, found in self.fills.ready():
             try:
-                got = self.pages.load(block_id, key)
+                got = self.pages.fill(block_id, key, found)
             except Exception:  # noqa: BLE001 (any failure is a miss, never wrong KV)
                 logger.exception("minipic span store: loading %s failed", key[:16])
                 got = None
@@ -292,4 +302,5 @@ class MinipicSpanStore(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self.pages is not None:
+            self.fills.close()
             self.pages.store.close()

@@ -13,6 +13,12 @@ had computed it, and released. At its next lookup the request finds those blocks
 pool hits -- the leading run, or runs after misses that ``hole_lookup`` attaches -- and from then
 on they are ordinary cached blocks (counted as cached tokens, evictable, shareable).
 
+Fills take only the room the pool can spare: what is left after them must hold the
+request's first chunk (chunked prefill allocates chunk by chunk), and the fills that do not fit
+are computed instead -- a request waiting for another's fill of the same block waits either way.
+The worker reads entries ahead on threads (``fill_queue``), so a fill may land several steps
+after it was asked for; the block stays held and unhashed until then.
+
 Why one step ahead rather than hashing at once: a fill can fail (entry evicted, corrupt,
 store deleted), and a hash in the pool is trusted by every request of the step. Inserted only
 after the fill succeeded, a failure is a miss: the block is freed unhashed and the request

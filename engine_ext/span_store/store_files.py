@@ -78,9 +78,11 @@ def make_dir(path: Path, modes: Modes) -> None:
             os.chmod(folder, modes.dir)
 
 
-def load_secret(root: Path, modes: Modes) -> bytes:
-    """The store's MAC secret, created at first use. Raises ``StoreUnusable`` when it cannot be
-    read or is readable or writable beyond the tier's own mode (another user could forge)."""
+def load_secret(root: Path, modes: Modes, proposed: bytes | None = None) -> bytes:
+    """The store's MAC secret, created at first use (from ``proposed``, when a tier that lost its
+    directory puts its own back, else at random). Whoever publishes first wins; everyone reads
+    the published one. Raises ``StoreUnusable`` when it cannot be read or is readable or writable
+    beyond the tier's own mode (another user could forge)."""
     path = root / SECRET_NAME
     try:
         return _read_secret(path, modes)
@@ -91,7 +93,7 @@ def load_secret(root: Path, modes: Modes) -> bytes:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, modes.file)
         try:
             os.fchmod(fd, modes.file)
-            os.write(fd, secrets.token_bytes(SECRET_BYTES))
+            os.write(fd, proposed or secrets.token_bytes(SECRET_BYTES))
             os.fsync(fd)
         finally:
             os.close(fd)

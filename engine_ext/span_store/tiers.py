@@ -679,6 +679,11 @@ class DirTier:
         if root_gone:
             logger.warning("span store %r: directory %s vanished; recreated it (its entries "
                            "are gone)", self.name, self.path)
+            # the secret went with it: put ours back, or take the one another process put first
+            try:
+                self._secret = load_secret(self.path, self.modes, proposed=self._secret)
+            except OSError as exc:
+                raise _DirectoryVanished(exc.errno, exc.strerror) from exc
             with self._lock:
                 self._index.clear()
                 self._bytes = 0

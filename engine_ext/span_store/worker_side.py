@@ -84,7 +84,12 @@ class PageCopier:
 
     def load(self, block_id: int, key: str) -> tuple[str, int] | None:
         """Fill ``block_id`` from the store; ``(source, home slot)`` or None (a miss)."""
-        found = self.store.get(key)
+        return self.fill(block_id, key, self.store.get(key))
+
+    def fill(self, block_id: int, key: str, found: tuple[Any, str] | None
+             ) -> tuple[str, int] | None:
+        """Copy an entry read for ``key`` (``store.get``'s answer) into ``block_id``;
+        ``(source, home slot)``, or None when there is none or it does not fit these pages."""
         if found is None:
             return None
         entry, source = found
