@@ -166,7 +166,7 @@ def test_corrupt_truncated_foreign_forged_and_special_entries_are_misses(
 
     llm = disk_llm
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, ref.vocab_size, [30, 30, 30, 30])
+    prompt = _prompt(llm, rng, ref.vocab_size, [30] * 6)  # one block each
     before_files = set(_entries(store_dir))
     _saved(llm, prompt)
     mine = sorted(set(_entries(store_dir)) - before_files)
