@@ -112,6 +112,16 @@ def _vllm_config(**overrides):
     return EngineArgs(**kwargs).create_engine_config(), settings.span_config
 
 
+def _with_model_fields(config, **fields):
+    """A copy of ``config`` whose model config differs in ``fields`` only (set as attributes:
+    vLLM would validate a revision against the hub, or fp8 against the CPU, on a fresh build)."""
+    model = config.model_config.__class__.__new__(config.model_config.__class__)
+    model.__dict__.update({**config.model_config.__dict__, **fields})
+    copy = config.__class__(**{**config.__dict__})
+    copy.model_config = model
+    return copy
+
+
 @pytest.fixture(scope="module")
 def base_config():
     return _vllm_config()
@@ -147,19 +157,11 @@ def test_every_input_of_the_kv_changes_the_fingerprint_and_the_keys(base_config,
     if change == "weights":
         other_digest = "b" * 32
     elif change == "revision":
-        other_config = config.__class__(**{**config.__dict__})
-        other_config.model_config = config.model_config.__class__.__new__(
-            config.model_config.__class__)
-        other_config.model_config.__dict__.update({**config.model_config.__dict__,
-                                                   "revision": "v2"})
+        other_config = _with_model_fields(config, revision="v2")
     elif change == "hf_overrides":
         other_config, _ = _vllm_config(hf_overrides={"rope_theta": 20000.0})
     elif change == "quantization":
-        other_config = config.__class__(**{**config.__dict__})
-        other_config.model_config = config.model_config.__class__.__new__(
-            config.model_config.__class__)
-        other_config.model_config.__dict__.update({**config.model_config.__dict__,
-                                                   "quantization": "fp8"})
+        other_config = _with_model_fields(config, quantization="fp8")
     elif change == "dtype":
         other_config, _ = _vllm_config(dtype="bfloat16")
     elif change == "block_size":
