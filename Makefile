@@ -18,7 +18,8 @@ SETUPTOOLS_PIN := $(if $(filter cpu,$(ENGINE)),78.1.1,)
 # the slowest tests in every run: where CI time goes, on whichever CPU CI runs
 PYTEST_ARGS ?= --durations=30
 # `make test` runs this many lanes of whole modules side by side, one xdist worker each
-# (tests/lanes.py); each lane starts its own shared engines (~3 GiB each, at most 3 up per lane),
+# (tests/support/lanes.py); each lane starts its own shared engines (~3 GiB each, at most 3 up
+# per lane),
 # so more lanes than cores or than memory allows only slows the run. 1: one process, no xdist.
 TEST_LANES ?= 2
 LANE_ARGS := $(if $(filter-out 1,$(TEST_LANES)),-n $(TEST_LANES),)

@@ -1,5 +1,5 @@
 """``answer_many`` vs naive concurrency (every question its own ``answer()``, ``asyncio.gather``),
-cold and warm, in one run on one engine (issue 14 item 8).
+cold and warm, in one run on one engine.
 
     python benchmarks/answer_many_vs_gather.py                      # SmolLM2, 16 questions
     python benchmarks/answer_many_vs_gather.py --model tiny-llama --questions 8 --reps 1

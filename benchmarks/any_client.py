@@ -131,8 +131,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "any_client"))
     args = ap.parse_args()
 
-    from conftest import ServerProcess
     from openai import OpenAI
+    from support.servers import ServerProcess
     from tqdm import tqdm
 
     from orchestrator import Orchestrator

@@ -2,8 +2,8 @@
 
 Runs the accuracy phase twice on the same machine, back to back: the product schedule (every
 hole of a prompt in one step) and ``MINIPIC_HOLES_PER_STEP=one`` (the schedule before
-``engine_ext/hole_steps.py``), then draws TTFT p50 per mode and the scheduler's prefill-step
-histogram of both into one figure. Usage::
+``engine_ext/holes/scheduler_steps.py``), then draws TTFT p50 per mode and the scheduler's
+prefill-step histogram of both into one figure. Usage::
 
     python benchmarks/holes_per_step.py --out results/bench_holes          # ~13 min, 2 cores
     python benchmarks/holes_per_step.py --out results/bench_holes --plot-only
@@ -19,12 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from span_contract.env import HOLES_PER_STEP_ENV
+
 RUNS = {"all holes / step": ("all", "."), "one hole / step": ("one", "one_hole_per_step")}
 
 
 def _run(out: Path) -> None:
     for per_step, sub in RUNS.values():
-        env = {**os.environ, "MINIPIC_HOLES_PER_STEP": per_step}
+        env = {**os.environ, HOLES_PER_STEP_ENV: per_step}
         subprocess.run([sys.executable, "-m", "minipic", "bench", "--phases", "accuracy",
                         "--out", str(out / sub)], check=True, env=env)
 

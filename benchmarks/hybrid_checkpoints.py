@@ -70,8 +70,8 @@ def run_trace(llm: Any, doc: list[int], trace: list[tuple[int, list[int]]],
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from engine_ext.checkpoint_policy import OVERRIDE_KEY
-    from engine_ext.recurrent_checkpoints import checkpoint_stats
+    from engine_ext.recurrent.checkpoints import checkpoint_stats
+    from engine_ext.recurrent.policy import OVERRIDE_KEY
 
     params = SamplingParams(max_tokens=1, temperature=0.0,
                             extra_args=None if xargs is None else {OVERRIDE_KEY: xargs})
@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     from checkpoint_planner import expected_recompute, plan_checkpoints
-    from engine_ext.checkpoint_policy import CheckpointConfig
-    from engine_ext.recurrent_checkpoints import checkpoint_stats, configure_checkpoints
+    from engine_ext.recurrent.checkpoints import checkpoint_stats, configure_checkpoints
+    from engine_ext.recurrent.policy import CheckpointConfig
     from span_contract.engine_config import EngineSettings, build_llm, close_llm
 
     t_start = time.perf_counter()

@@ -1,10 +1,10 @@
-"""Per-layer cost of the CPU backend's KV layout: keys stored once (today) vs the old 3 regions.
+"""Per-layer cost of the CPU backend's KV layout: keys stored once vs a 3-region page.
 
     python benchmarks/kv_layout_cost.py            # -> results/kv_layout/kv_layout_cost.json
 
-Issue 23 asked for stock KV memory (keys stored once, rotated at home) with off-home reads
-"no worse" than the old layout, which kept an unrotated copy (region [0]) beside the stock
-regions and rotated that copy by the read slot. Both are timed here side by side, one layer,
+The CPU backend keeps stock KV memory (keys stored once, rotated at home); the alternative it
+is held against kept an unrotated copy (region [0]) beside the stock regions and rotated that
+copy by the read slot, at more memory per token. Both are timed here side by side, one layer,
 SmolLM2-135M shapes (9 query / 3 kv heads, D=64, block 32), fp32 and bf16, one thread:
 
 * ``write``: storing a prefill's keys and values (old: the unrotated copy, then rotate + vLLM's
@@ -13,7 +13,7 @@ SmolLM2-135M shapes (9 query / 3 kv heads, D=64, block 32), fp32 and bf16, one t
   unrotated keys token by token, the model's rotary op at the new positions, vLLM's writer into
   a pool, values copied beside them; new: the blocks' home key pages moved by the slot
   difference with the same rotary op and a table of offsets, straight into the key shadow,
-  values read in place: ``rope_attention_backend.move_keys``).
+  values read in place: ``cpu_backend.move_keys``).
 
 Medians of repeated runs; ratios new / old. Pure operator timing (no engine), so it needs no
 model download and finishes in well under a minute.
@@ -62,9 +62,9 @@ def measure(dtype: torch.dtype, blocks: int, reps: int) -> dict[str, float]:
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
     from vllm import _custom_ops as ops
 
-    from engine_ext.cpu_kv_layout import probe
-    from engine_ext.rope_attention_backend import _rotate, move_keys
-    from engine_ext.step_plan import RotatedFill
+    from engine_ext.attention.cpu_backend import _rotate, move_keys
+    from engine_ext.attention.cpu_kv_layout import probe
+    from engine_ext.attention.step_plan import RotatedFill
 
     isa = cpu_attn._get_attn_isa(dtype, BLOCK, HEAD)
     rope = _rope(dtype)
@@ -123,8 +123,9 @@ def measure(dtype: torch.dtype, blocks: int, reps: int) -> dict[str, float]:
     old_keys = p_key.clone()
     fill_new()
     p_key.copy_(s_key[read_blocks])
-    # same keys as rotating once, within the fp32 table's own angle error (tests/test_kernels.py)
-    # (bf16: rounded twice instead of once, a few units in the last place)
+    # same keys as rotating once, within the fp32 table's own angle error
+    # (tests/engine/test_kernels.py) (bf16: rounded twice instead of once, a few units in the last
+    # place)
     tol = float(key.abs().max()) * (8192 * 2.0**-23 if dtype == torch.float32 else 2.0**-5)
     torch.testing.assert_close(p_key.float(), old_keys.float(), atol=tol, rtol=0)
     out = {

@@ -26,7 +26,7 @@ engines on every rep. Output: ``results/pic_overhead.json``.
 
 Noise: vLLM pins every CPU worker to core 0 by default, so all engines on a shared host compete
 there. ``VLLM_CPU_OMP_THREADS_BIND=1 python benchmarks/pic_overhead.py`` pins both engines to the
-other core; that is how the numbers in ``engine_ext/rope_attention_backend.py`` were taken (A/A:
+other core; that is how the numbers in ``engine_ext/attention/cpu_backend.py`` were taken (A/A:
 prefill 1.00, decode 1.01).
 """
 
@@ -41,6 +41,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from span_contract.env import CPU_ATTN_ENV
 
 # Kept short (a few seconds per run) so that stock and minipic runs interleave tightly.
 WORKLOADS: dict[str, dict[str, int]] = {
@@ -95,16 +97,16 @@ def _start(pic: bool, path: str | None, max_model_len: int) -> dict[str, Any]:
     from span_contract.engine_config import EngineSettings, build_llm
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    previous = os.environ.get("MINIPIC_CPU_ATTN")
+    previous = os.environ.get(CPU_ATTN_ENV)
     if path is not None:
-        os.environ["MINIPIC_CPU_ATTN"] = path  # read by the worker when it builds the backend
+        os.environ[CPU_ATTN_ENV] = path  # read by the worker when it builds the backend
     try:
         llm = build_llm(EngineSettings(model=None, pic=pic, max_model_len=max_model_len))
     finally:
         if previous is None:
-            os.environ.pop("MINIPIC_CPU_ATTN", None)
+            os.environ.pop(CPU_ATTN_ENV, None)
         else:
-            os.environ["MINIPIC_CPU_ATTN"] = previous
+            os.environ[CPU_ATTN_ENV] = previous
     pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
     return {"llm": llm, "pids": pids}
 

@@ -3,7 +3,7 @@
     python benchmarks/planner_eval.py --out results/planner
 
 Three overlap-depth distributions shaped like the sparse-prefix-caching paper's datasets
-(arXiv 2605.05219; DESIGN.md §4) over a prefix of N tokens:
+(arXiv 2605.05219; docs/design.md §4) over a prefix of N tokens:
 
 * ``quality``      — QuALITY-like: one long article asked several questions in turn; most requests
                      reuse the article plus some earlier Q/A turns (mass near full length).

@@ -3,8 +3,8 @@
 Three engines, one run, same prompts (SmolLM2-135M, fp32, CPU): minipic with the ``holes``
 feature (reuse every cached span, compute only the holes, every hole of a prompt in one engine
 step), the same with one hole per engine step (``MINIPIC_HOLES_PER_STEP=one``: the schedule
-before ``engine_ext/hole_steps.py``), and minipic without it (``hash,rope``: the stock lookup,
-which stops at the first miss — "today's lookup"). For each:
+before ``engine_ext/holes/scheduler_steps.py``), and minipic without it (``hash,rope``: the stock
+lookup, which stops at the first miss — "today's lookup"). For each:
 
 * **half warm**: final prompts of ``--spans`` spans of ``--span-tokens`` tokens each, half of the
   spans prefilled first at random positions; TTFT (one generated token), cached tokens, and the
@@ -66,14 +66,15 @@ def _measure(name: str, items: list[dict[str, Any]], max_model_len: int) -> dict
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from engine_ext.hole_steps import PER_STEP_ENV, STATS_METHOD
-    from engine_ext.recurrent_checkpoints import call_engine
+    from engine_ext.holes.scheduler_steps import PER_STEP_ENV
+    from engine_ext.recurrent.checkpoints import call_engine
     from span_contract.engine_config import (
         EngineSettings,
         build_llm,
         close_llm,
         patched_environ,
     )
+    from span_contract.engine_utilities import HOLE_STATS_UTILITY
     from span_contract.span_config import SPANS_OPT_IN_KEY
 
     features, per_step = CONFIGS[name]
@@ -100,7 +101,7 @@ def _measure(name: str, items: list[dict[str, Any]], max_model_len: int) -> dict
             cached.append(out.num_cached_tokens)
             prompt_tokens.append(len(item["tokens"]))
             if holes:  # the final is the scheduler's latest finished prefill
-                steps.append(call_engine(llm, STATS_METHOD)["recent"][-1]["steps"])
+                steps.append(call_engine(llm, HOLE_STATS_UTILITY)["recent"][-1]["steps"])
         result: dict[str, Any] = {
             "features": list(features), "holes_per_step": per_step,
             "half_warm": {

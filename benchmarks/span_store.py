@@ -149,10 +149,10 @@ class Engine:
         return time.perf_counter() - start, outs
 
     def counts(self) -> dict[str, int]:
-        from engine_ext.recurrent_checkpoints import call_engine
-        from engine_ext.span_store.stats import STATS_METHOD
+        from engine_ext.recurrent.checkpoints import call_engine
+        from span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
 
-        stats = call_engine(self.llm, STATS_METHOD)
+        stats = call_engine(self.llm, SPAN_STORE_STATS_UTILITY)
         return {} if stats is None else dict(stats["counts"])
 
     def reset(self) -> None:
@@ -282,7 +282,7 @@ def ttft_and_restart(args: argparse.Namespace, tok: Tokens, work: Path) -> dict[
 
 
 def _first_meta(entries: list[Path]) -> dict[str, Any] | None:
-    """The metadata JSON of one entry (header layout in ``engine_ext/span_store/tiers.py``)."""
+    """The metadata JSON of one entry (header layout in ``engine_ext/span_store/tiers/``)."""
     if not entries:
         return None
     data = entries[0].read_bytes()
@@ -307,7 +307,7 @@ def _kv_bytes(engine: Engine) -> dict[str, Any]:
 
 def corpus(args: argparse.Namespace, tok: Tokens, work: Path, block_bytes: int
            ) -> dict[str, Any]:
-    from engine_ext.rotated_pool import DEFAULT_SHARE, SHARE_ENV
+    from engine_ext.attention.key_shadow.pool import DEFAULT_SHARE, SHARE_ENV
     from span_contract.span_store_config import SpanStoreConfig
 
     share = float(os.environ.get(SHARE_ENV, DEFAULT_SHARE))

@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine_ext.span_store.store_files import entry_mac  # noqa: E402
 from engine_ext.span_store.tiers import (  # noqa: E402
     FORMAT_VERSION,
     HASHED_HEADER_BYTES,
@@ -50,6 +49,7 @@ from engine_ext.span_store.tiers import (  # noqa: E402
     Entry,
     TieredStore,
 )
+from engine_ext.span_store.tiers.files import entry_mac  # noqa: E402
 
 FINGERPRINT = "fault-injection|model=tiny|dtype=float32|bs=16"
 KINDS = ("bit_flip", "truncate", "extend", "foreign_fingerprint", "forged_unkeyed",

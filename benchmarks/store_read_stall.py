@@ -7,7 +7,7 @@ tokens); once it is past its first ``--warmup`` tokens, a prompt of ``--prompt-t
 tokens plus a short question arrives. Three engines, one after the other:
 
 * **no store**: the prompt's spans are computed (chunked prefill shares steps with the stream);
-* **store, reads on the step** (``read_threads=0``, the store as it was): every span block is
+* **store, reads on the step** (``read_threads=0``): every span block is
   read from disk, MAC-checked and copied on the engine's step thread;
 * **store, reads ahead** (``read_threads=4``, the default): reads run on threads, each step
   copies in at most ``fill_mib_per_step`` of finished reads.

@@ -8,16 +8,17 @@ raised to 8192, the model's own limit), for prompts of ``--span-tokens``-token p
 offline Wikipedia corpus, all warmed once, in a new random order per final:
 
 * ``minipic``: the cached final (``Orchestrator.answer``, block_attention, 1 token), spans warm;
-* ``repeat``: the same spans in the same order with another question (the rotated pool already
+* ``repeat``: the same spans in the same order with another question (the key shadow already
   holds every block at its slot);
 * ``stock_full``: stock vLLM, the same token ids, cold cache;
 * ``stock_ideal``: stock vLLM, the ``repeat`` prompt right after ``stock_full`` (its prefix is
   cached at the same positions: only the question block is computed, in context);
 * ``stock_uncached``: stock vLLM, a prompt of only the tokens minipic did not find cached.
 
-With the step profile on (default; ``engine_ext/step_profile.py``, ``MINIPIC_PROFILE_DIR``) each
-request's TTFT is split into buckets (rotation into the rotated pool, step planning, scheduling
-and the lookup past misses, attention kernels, model compute, transport/front-end).
+With the step profile on (default; ``engine_ext/profiling/step_profile.py``,
+``MINIPIC_PROFILE_DIR``) each request's TTFT is split into buckets (rotation into the key shadow,
+step planning, scheduling and the lookup past misses, attention kernels, model compute,
+transport/front-end).
 
 Writes ``ttft_bound.json``, ``ttft_bound.png``, ``breakdown.json`` and ``breakdown.md`` under
 ``--out``. One command (2-core machine: about 6 min at the defaults)::
@@ -145,7 +146,7 @@ class Run:
     async def point(self, size: int, docs: list[str]) -> None:
         """All measurements of one prompt size (``reps`` stock prefills of the full prompt)."""
         args = self.args
-        # Untimed: the first final at a new length grows the rotated pool's pages once.
+        # Untimed: the first final at a new length grows the key shadow's pages once.
         first = await self._pic("first_at_size", size, self._question(), docs)
         self.progress(f"~{size}: first final at this size (untimed) "
                       f"{first.ttft_s * 1e3:.0f} ms, {first.prompt_tokens} tokens", step=False)
@@ -212,7 +213,7 @@ def _points(samples: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def _breakdowns(windows: list[dict[str, Any]], folder: Path) -> dict[str, Any]:
     """Per size and case: bucket-wise medians of the requests' TTFT breakdowns."""
-    from engine_ext import step_profile
+    from engine_ext.profiling import step_profile
     from minipic.bench.ttft_bound import breakdown, median_breakdown
 
     step_profile.flush()
@@ -258,7 +259,7 @@ async def _main(args: argparse.Namespace, profile_dir: Path | None) -> dict[str,
         pool = await run.pic.backend.rotated_pool_stats()
         breakdowns = None
         if profile_dir is not None:  # read while the engines live: they flush periodically
-            from engine_ext.step_profile import FLUSH_INTERVAL_S
+            from engine_ext.profiling.step_profile import FLUSH_INTERVAL_S
 
             await asyncio.sleep(3 * FLUSH_INTERVAL_S)
             breakdowns = _breakdowns(run.windows, profile_dir)
@@ -372,7 +373,7 @@ def main() -> int:
             args.profile_dir.mkdir(parents=True, exist_ok=True)
             tmp = str(args.profile_dir.resolve())
         if not args.no_profile:
-            from engine_ext import step_profile
+            from engine_ext.profiling import step_profile
 
             profile_dir = Path(tmp)
             os.environ[step_profile.PROFILE_ENV] = tmp  # inherited by the engine processes

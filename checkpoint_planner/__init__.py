@@ -1,4 +1,4 @@
-"""Sparse recurrent-state checkpoints for hybrid models (DESIGN.md §4).
+"""Sparse recurrent-state checkpoints for hybrid models (docs/design.md §4).
 
 ``planner`` chooses the positions (exact DP and baselines) and scores them; ``estimator`` builds
 the overlap-depth distribution from observed requests; ``cli`` is ``minipic plan``. Nothing here

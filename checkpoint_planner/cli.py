@@ -20,7 +20,7 @@ from checkpoint_planner.planner import METHODS, make_plan
 _DESCRIPTION = """\
 Choose where to store recurrent-state checkpoints along a cached prefix of N tokens, given the
 distribution of overlap depths of future requests, so that the expected number of recomputed
-tokens is minimal for a budget of M checkpoint slots (DESIGN.md §4).
+tokens is minimal for a budget of M checkpoint slots (docs/design.md §4).
 
 Histogram FILE (JSON), one of:
   [p0, p1, ..., pN]          probabilities of overlap depth 0..N (sum 1), or

@@ -1,4 +1,4 @@
-"""Where to store recurrent-state checkpoints along one cached prefix (DESIGN.md §4).
+"""Where to store recurrent-state checkpoints along one cached prefix (docs/design.md §4).
 
 A hybrid model's recurrent layers can resume from any stored state ``h_c`` and recompute the
 suffix exactly, but each stored state costs ``d_head**2`` per head, so only ``M`` of the ``N``

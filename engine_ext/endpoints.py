@@ -20,12 +20,18 @@ import uuid
 from argparse import Namespace
 from typing import Any
 
+from span_contract.engine_utilities import (
+    CHECKPOINT_STATS_UTILITY,
+    HOLE_STATS_UTILITY,
+    SPAN_STORE_STATS_UTILITY,
+)
+from span_contract.env import CACHE_RESET_ENV
 from span_contract.span_config import SpanConfig, enabled_features
 
 CONFIG_PATH = "/minipic/config"
 RESET_PATH = "/minipic/reset_prefix_cache"
 # set to 1 by `minipic serve --enable-cache-reset` in the API server's environment
-CACHE_RESET_ENV = "MINIPIC_CACHE_RESET"
+CACHE_RESET_ENV = CACHE_RESET_ENV
 
 
 def cache_reset_enabled(environ: dict[str, str] | None = None) -> bool:
@@ -64,9 +70,8 @@ async def _ckpt_summary(request: Any) -> dict[str, Any] | None:
     core = getattr(engine, "engine_core", None)
     if core is None or not hasattr(core, "call_utility_async"):
         return None
-    from engine_ext.recurrent_checkpoints import STATS_METHOD
 
-    stats = await core.call_utility_async(STATS_METHOD, None)
+    stats = await core.call_utility_async(CHECKPOINT_STATS_UTILITY, None)
     policy = stats.get("policy") or {}
     return {"active": stats["active"], "block_size": stats["block_size"],
             "ssm_state_dtype": stats["ssm_state_dtype"],
@@ -80,9 +85,8 @@ async def _span_store_summary(request: Any) -> dict[str, Any] | None:
     core = getattr(engine, "engine_core", None)
     if core is None or not hasattr(core, "call_utility_async"):
         return None
-    from engine_ext.span_store.stats import STATS_METHOD
 
-    return await core.call_utility_async(STATS_METHOD)
+    return await core.call_utility_async(SPAN_STORE_STATS_UTILITY)
 
 
 async def _prefill_steps_summary(request: Any) -> dict[str, Any] | None:
@@ -91,9 +95,8 @@ async def _prefill_steps_summary(request: Any) -> dict[str, Any] | None:
     core = getattr(engine, "engine_core", None)
     if core is None or not hasattr(core, "call_utility_async"):
         return None
-    from engine_ext.hole_steps import STATS_METHOD
 
-    stats = await core.call_utility_async(STATS_METHOD)
+    stats = await core.call_utility_async(HOLE_STATS_UTILITY)
     return {"histogram": stats["histogram"], "multi_hole_steps": stats["multi_hole_steps"]}
 
 

@@ -5,22 +5,25 @@ workers). Installing minipic must not change stock vLLM, so ``register()`` does 
 ``MINIPIC_ENABLE=1`` — which minipic's own entry points (``minipic serve``, the embedded
 orchestrator, the tests) set together with the span configuration. When enabled it installs:
 
-* ``hash``  — SSEP/PDEP block hashing (``engine_ext/span_hashing.py``; used in the EngineCore);
-* ``rope``  — unrotated keys + RoPE inside attention (``engine_ext/rope_attention_backend.py`` and
-  ``engine_ext/unrotated_keys.py``) and span isolation (``engine_ext/span_isolation.py``); used in
-  the worker, where ``engine_ext/integration_guard.py`` proves at the first opted-in step that
-  both are on the path vLLM runs;
+* ``hash``  — SSEP/PDEP block hashing (``engine_ext/hashing/span_hashing.py``; used in the
+  EngineCore);
+* ``rope``  — unrotated keys + RoPE inside attention (``engine_ext/attention/cpu_backend.py`` and
+  ``engine_ext/attention/unrotated_keys.py``) and span isolation
+  (``engine_ext/attention/span_isolation.py``); used in the worker, where
+  ``engine_ext/vllm_surface/integration_guard.py`` proves at the first opted-in step that both are
+  on the path vLLM runs;
 * ``holes`` — with ``hash`` and ``rope``: the lookup continues past misses and computes only the
-  holes (``engine_ext/hole_lookup.py``; EngineCore);
+  holes (``engine_ext/holes/scheduler_lookup.py``; EngineCore);
 * ``ckpt``  — sparse recurrent-state checkpoints for hybrid models
-  (``engine_ext/recurrent_checkpoints.py``; used in the EngineCore, settings in
+  (``engine_ext/recurrent/checkpoints.py``; used in the EngineCore, settings in
   ``MINIPIC_CKPT_CONFIG``). Not on by default; hybrid engines run with it instead of ``hash``.
 
 Measurements only: with ``MINIPIC_PROFILE_DIR`` set, ``register()`` also times the steps of
-every process, stock engines included (``engine_ext/step_profile.py``); unset, it wraps nothing.
+every process, stock engines included (``engine_ext/profiling/step_profile.py``); unset, it wraps
+nothing.
 
 Every vLLM method these features wrap is listed, with the vLLM version it was checked against,
-in ``engine_ext/patches.py``; a version or signature mismatch stops start-up with an
+in ``engine_ext/vllm_surface/patches.py``; a version or signature mismatch stops start-up with an
 ``EngineIntegrationError`` (no silent stock fallback). Patching is idempotent: vLLM may call
 ``register()`` more than once per process.
 """
@@ -45,7 +48,7 @@ def active_state() -> dict[str, object]:
 def register() -> None:
     _register_features()
     # after the features: the profile times the plugin's wrappers with the code they wrap
-    from engine_ext import step_profile
+    from engine_ext.profiling import step_profile
 
     step_profile.install_from_env(plugin_on=bool(_STATE["installed"]))
 
@@ -56,7 +59,7 @@ def _register_features() -> None:
         return
     config = SpanConfig.from_env()
     assert config is not None
-    from engine_ext import patches
+    from engine_ext.vllm_surface import patches
 
     if "holes" in features and not {"hash", "rope"} <= features:
         raise patches.EngineIntegrationError(
@@ -64,36 +67,38 @@ def _register_features() -> None:
             f"with span isolation in attention); features were {sorted(features)}")
     installed: set[str] = set()
     if "hash" in features:
-        from engine_ext import span_hashing
+        from engine_ext.hashing import span_hashing
 
         span_hashing.install(config)
         installed.add("hash")
         if "holes" in features:
-            # Hits past a miss are only sound when the worker isolates spans (hole_lookup's
+            # Hits past a miss are only sound when the worker isolates spans (scheduler_lookup's
             # docstring), which comes with the position-free backend.
-            from engine_ext import hole_lookup
+            from engine_ext.holes import scheduler_lookup
 
-            hole_lookup.install()
+            scheduler_lookup.install()
             installed.add("holes")
+            # the span store is a KV connector the lookup asks first; its counters are an
+            # EngineCore utility, there whether or not a store is configured
+            from engine_ext.span_store import stats as span_store_stats
+
+            span_store_stats.install()
     if "rope" in features:
         # No fallback on ImportError: span hashing without position-free attention gives wrong
-        # answers (tests/test_position_free.py), so a broken import must stop the engine.
-        from engine_ext import (
-            integration_guard,
-            rope_attention_backend,
-            rotated_pool,
-            span_isolation,
-        )
+        # answers (tests/engine/test_position_free.py), so a broken import must stop the engine.
+        from engine_ext.attention import cpu_backend, span_isolation
+        from engine_ext.attention.key_shadow import pool as key_shadow_pool
+        from engine_ext.vllm_surface import integration_guard
 
-        rope_attention_backend.install(config)
+        cpu_backend.install(config)
         span_isolation.install(config)
         integration_guard.install()  # proves at run time that the two above are on the path
-        rotated_pool.install_budget()
+        key_shadow_pool.install_budget()
         installed.add("rope")
     if "ckpt" in features:
-        from engine_ext import recurrent_checkpoints
+        from engine_ext.recurrent import checkpoints
 
-        recurrent_checkpoints.install()
+        checkpoints.install()
         installed.add("ckpt")
     for feature in installed:  # every table row of an installed feature is in place
         patches.verify_installed(feature)

@@ -1,6 +1,6 @@
 """Torch reference for paged attention with RoPE applied to keys inside attention.
 
-This is the definition of what MiniPIC's attention computes (DESIGN.md section 1)::
+This is the definition of what MiniPIC's attention computes (docs/design.md §1)::
 
     score(t, j) = (R_t q_t)^T (R_j k~_j) * scale
 
@@ -92,7 +92,7 @@ def paged_attention_rope_ref(
         out: optional output buffer ``[num_tokens, num_heads, head_size]``; rows past
             ``query_start_loc[-1]`` are left untouched.
         key_start: optional ``[num_tokens]`` int, the first key each query may attend to
-            (span isolation, ``engine_ext/span_segments.py``); keys before it are masked.
+            (span isolation, ``engine_ext/attention/span_segments.py``); keys before it are masked.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (zeros in rows that belong

@@ -1,7 +1,7 @@
 """RoPE applied from a model's own cos/sin cache, by explicit positions.
 
 MiniPIC keeps keys *unrotated* in the paged KV cache and rotates each key by its logical position
-in the current request only when attention reads it (DESIGN.md section 1). For that rotation to
+in the current request only when attention reads it (docs/design.md §1). For that rotation to
 equal what the model would have done to the key, it must use exactly the model's rotary variant:
 the neox ("rotate halves") or gptj ("rotate even/odd pairs") layout, partial rotary, and whatever
 frequency scaling (llama3, linear, yarn, ...) went into the frequencies. We therefore never

@@ -28,10 +28,10 @@ SUBCOMMAND_MODULES = (
     "minipic.models_cli",
     "minipic.serve",
     "minipic.demo",
-    "minipic.index",
+    "minipic.index.cli",
     "checkpoint_planner.cli",
     "minipic.bench",
-    "minipic.eval",
+    "minipic.eval.cli",
 )
 
 

@@ -37,9 +37,11 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 
+from span_contract.env import ENGINE_NOISE_FILTER_ENV
+
 FORMAT = "(%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s"
 # "1": install the known-noise filter in this process (and, inherited, in the engine processes)
-NOISE_FILTER_ENV = "MINIPIC_ENGINE_NOISE_FILTER"
+NOISE_FILTER_ENV = ENGINE_NOISE_FILTER_ENV
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ prefix caching on, prompt-token details on (so responses carry ``cached_tokens``
 size and SSEP/PDEP ids the client's prompt builder uses, and ``GET /minipic/config`` stating them.
 
 For hybrid (attention + recurrent) models, ``--ckpt-budget M`` switches to the ``ckpt`` feature:
-vLLM keeps recurrent state at M planned positions per prefix only (DESIGN.md §4), planned from
+vLLM keeps recurrent state at M planned positions per prefix only (docs/design.md §4), planned from
 ``--ckpt-histogram FILE`` or learned from the overlap depths the engine observes (``learn``).
 
 The server runs under ``serving.supervise``: in a process group of its own, watched by a guard
@@ -23,8 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-from engine_ext.checkpoint_policy import CheckpointConfig
 from engine_ext.endpoints import CACHE_RESET_ENV, RESET_PATH
+from engine_ext.recurrent.policy import CheckpointConfig
 from serving.cluster_app import ROUTERS
 from serving.supervise import supervise
 from span_contract.engine_config import EngineSettings
@@ -136,7 +136,7 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     scale = p.add_argument_group(
         "scale-out on Ray Serve",
         "Run N replicas of this server behind one URL, routed by where spans are cached "
-        "(README \"Scale out\"). Clients do not change: the URL answers as one server does.",
+        "(docs/scale_out.md). Clients do not change: the URL answers as one server does.",
     )
     scale.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="serve N vLLM replicas with Ray Serve (starts Ray on this machine "
@@ -189,7 +189,7 @@ def span_store_config(args: argparse.Namespace) -> SpanStoreConfig | None:
 
     Default (no ``--span-store``): ``$MINIPIC_SPAN_STORE`` if set, else on at
     ``default_store_dir()``. Why on: a store entry is written once per span block (3.6-8.3% of
-    a cold prefill, README "Span store") and every later load of it saves 90-96% of that
+    a cold prefill, ``docs/span_store.md``) and every later load of it saves 90-96% of that
     prefill; a server lives long enough to reload (restarts, evictions, other replicas), and the
     disk tier is bounded (``--span-store-gib``)."""
     path = args.span_store

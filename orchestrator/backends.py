@@ -9,12 +9,20 @@ prefills to send, when, and what a cached-token count means — stays above this
 Backends raise ``orchestrator.errors`` types only: ``EngineUnreachableError`` when the engine
 cannot be reached (retryable), ``EngineError`` with ``retryable`` set for engine-side failures,
 ``BadInputError`` when the engine rejects the request itself.
+
+``generate`` and ``stream`` are written once, in ``TransportBackend``: both real backends derive
+from it and supply only their transport (how a request is made and sent, and how its output
+arrives), so timing, text assembly and the ``Completion`` are the same code for both.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -94,3 +102,89 @@ async def final_completion(stream: AsyncIterator[str | Completion]) -> Completio
             done = item
     assert done is not None, "stream() ends with its Completion"
     return done
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One output step of a transport: new text and token ids (either may be empty). Its arrival
+    is an output event: the first one is the request's first token (``ttft_s``)."""
+
+    text: str = ""
+    token_ids: Sequence[int] = ()
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A transport's last item: the prompt's token count and how many of them were cached."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class TransportBackend(ABC):
+    """``generate`` and ``stream`` over a transport a subclass supplies: ``_request`` (the
+    request, made before the clock starts) and ``_send`` (its output as ``Delta`` items, then
+    one ``Usage``; the transport's own failures mapped to ``orchestrator.errors`` types)."""
+
+    @abstractmethod
+    def _request(self, token_ids: Sequence[int], sampling: Sampling, cache_salt: str | None,
+                 request_id: str | None, route_as: Sequence[int] | None) -> Any:
+        """The request to send (checks that need no sending happen here)."""
+
+    @abstractmethod
+    def _send(self, request: Any, token_ids: Sequence[int]) -> AsyncIterator[Delta | Usage]:
+        """Send ``request``: a ``Delta`` per output event, then its ``Usage``. Closed early (the
+        caller stops reading), it stops the engine request."""
+
+    async def generate(
+        self,
+        token_ids: Sequence[int],
+        *,
+        sampling: Sampling,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        route_as: Sequence[int] | None = None,
+    ) -> Completion:
+        """See ``EngineBackend.generate``."""
+        return await final_completion(self.stream(token_ids, sampling=sampling,
+                                                  cache_salt=cache_salt, request_id=request_id,
+                                                  route_as=route_as))
+
+    async def stream(
+        self,
+        token_ids: Sequence[int],
+        *,
+        sampling: Sampling,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        route_as: Sequence[int] | None = None,
+    ) -> AsyncIterator[str | Completion]:
+        """``generate``, one text delta at a time as the engine produces them (non-empty
+        strings), then the ``Completion``. Closing the iterator early aborts the request."""
+        request = self._request(token_ids, sampling, cache_salt, request_id, route_as)
+        sent = time.perf_counter()
+        first: float | None = None
+        text: list[str] = []
+        out_ids: list[int] = []
+        finish: str | None = None
+        usage: Usage | None = None
+        async with contextlib.aclosing(self._send(request, token_ids)) as items:
+            async for item in items:
+                if isinstance(item, Usage):
+                    usage = item
+                    continue
+                if first is None:
+                    first = time.perf_counter()
+                text.append(item.text)
+                out_ids.extend(item.token_ids)
+                finish = item.finish_reason or finish
+                if item.text:
+                    yield item.text
+        done = time.perf_counter()
+        assert usage is not None, "a transport ends with its Usage"
+        yield Completion(
+            text="".join(text), token_ids=out_ids, prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens, ttft_s=(first or done) - sent,
+            latency_s=done - sent, finish_reason=finish,
+        )

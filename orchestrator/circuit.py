@@ -1,7 +1,7 @@
 """``Circuit``: one orchestrator's shared view of whether its engine can take requests.
 
 Why: with each request retrying on its own timer, an outage multiplies — two orchestrators made
-7,471 failed sends in two minutes of a server being down (issue 14). Here an outage is an event
+7,471 failed sends in two minutes of a server being down. Here an outage is an event
 of the orchestrator, not of each request:
 
 - the first retryable failure *opens* the circuit; from then on no request is sent;

@@ -78,7 +78,9 @@ def _coerce_options(options: SchedulerOptions | Mapping[str, Any] | None) -> Sch
         raise BadInputError(f"invalid scheduler options: {exc}") from None
 
 
-def _sampling(kwargs: Mapping[str, Any]) -> Sampling:
+def _sampling(kwargs: Sampling | Mapping[str, Any]) -> Sampling:
+    if isinstance(kwargs, Sampling):  # validated already (a batch's call-wide settings)
+        return kwargs
     try:
         return Sampling(**kwargs)
     except PydanticValidationError as exc:
@@ -311,6 +313,28 @@ class Orchestrator:
         except PromptBuildError as exc:
             raise from_build_error(exc) from exc
 
+    def _prepare(
+        self,
+        question: str,
+        documents: Sequence[Document],
+        system: str | None,
+        mode: Mode | str,
+        *,
+        cache_salt: str | None,
+        budget: BudgetPolicy | str,
+        require_documents: bool,
+        sampling: Sampling | Mapping[str, Any],
+    ) -> tuple[BuiltPrompt, Sampling]:
+        """One question's arguments checked and laid out, as every way of asking it sends them
+        (``answer``, each ``answer_many`` item, ``warm``, ``streaming.stream_answer``): the
+        sampling settings, then the cache salt, then the prompt (``build``). Raises
+        ``BadInputError`` / ``SpanTooLongError`` before anything is sent."""
+        params = _sampling(sampling)
+        _check_salt(cache_salt)
+        prompt = self.build(question, documents, system, mode, max_tokens=params.max_tokens,
+                            budget=budget, require_documents=require_documents)
+        return prompt, params
+
     # -- answering ------------------------------------------------------------------------------
 
     async def answer(
@@ -334,10 +358,9 @@ class Orchestrator:
         with no content (empty, whitespace only) is left out and named in
         ``Answer.skipped_spans`` — a retriever's empty hit must not fail the question.
         """
-        params = _sampling(sampling)
-        _check_salt(cache_salt)
-        prompt = self.build(question, documents, system, mode, max_tokens=params.max_tokens,
-                            budget=budget, require_documents=require_documents)
+        prompt, params = self._prepare(question, documents, system, mode, cache_salt=cache_salt,
+                                       budget=budget, require_documents=require_documents,
+                                       sampling=sampling)
         job = Job(0, question, prompt, params, cache_salt)
         (result,) = await self.scheduler.run([job], skip_warm=skip_warm)
         if isinstance(result, MinipicError):
@@ -401,11 +424,10 @@ class Orchestrator:
     ) -> Job:
         """One ``answer_many`` item as a job with its built prompt (or ``BadInputError``)."""
         q = _coerce_question(item, index)
-        _check_salt(q.cache_salt)
         docs = q.documents if q.documents or documents is None else documents
-        prompt = self.build(q.question, docs, q.system if q.system is not None else system,
-                            q.mode or mode, max_tokens=params.max_tokens, budget=budget,
-                            require_documents=require_documents)
+        prompt, _ = self._prepare(q.question, docs, q.system if q.system is not None else system,
+                                  q.mode or mode, cache_salt=q.cache_salt, budget=budget,
+                                  require_documents=require_documents, sampling=params)
         return Job(index, q.question, prompt, params, q.cache_salt or cache_salt)
 
     async def warm(
@@ -418,8 +440,9 @@ class Orchestrator:
     ) -> int:
         """Prefill these documents' spans now (e.g. a corpus, or an agent's tool descriptions)
         so later questions find them warm. Returns how many prefills it sent."""
-        _check_salt(cache_salt)
-        prompt = self.build("?", documents, system, mode, max_tokens=1)
+        prompt, _ = self._prepare("?", documents, system, mode, cache_salt=cache_salt,
+                                  budget=BudgetPolicy.ERROR, require_documents=True,
+                                  sampling={"max_tokens": 1})
         return await self.scheduler.prewarm(prompt, cache_salt)
 
     async def reset_cache(self) -> None:

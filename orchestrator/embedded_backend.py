@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from orchestrator.backends import BackendInfo, Completion, Sampling, final_completion
+from orchestrator.backends import BackendInfo, Delta, Sampling, TransportBackend, Usage
 from orchestrator.errors import BadInputError, EngineError, MinipicError
 from orchestrator.kv_usage import KVUsageMonitor
 from span_contract.engine_config import EngineSettings, engine_shutdown_timeout, patched_environ
+from span_contract.engine_utilities import HOLE_STATS_UTILITY, KEY_SHADOW_STATS_RPC
 from span_contract.span_config import SPANS_OPT_IN_KEY
 
 
@@ -36,7 +36,7 @@ def settings_from_args(model: str | None, engine_args: dict[str, Any]) -> Engine
     return EngineSettings(model=model, extra=extra, **known).resolved()
 
 
-class EmbeddedBackend:
+class EmbeddedBackend(TransportBackend):
     """In-process engine. Build with ``EmbeddedBackend.start(settings)`` (blocks while vLLM
     loads the model, tens of seconds on CPU)."""
 
@@ -81,35 +81,13 @@ class EmbeddedBackend:
         if self._closed:
             raise EngineError("the embedded engine was closed")
 
-    async def generate(
-        self,
-        token_ids: Sequence[int],
-        *,
-        sampling: Sampling,
-        cache_salt: str | None = None,
-        request_id: str | None = None,
-        route_as: Sequence[int] | None = None,
-    ) -> Completion:
-        return await final_completion(self.stream(token_ids, sampling=sampling,
-                                                  cache_salt=cache_salt, request_id=request_id,
-                                                  route_as=route_as))
-
-    async def stream(
-        self,
-        token_ids: Sequence[int],
-        *,
-        sampling: Sampling,
-        cache_salt: str | None = None,
-        request_id: str | None = None,
-        route_as: Sequence[int] | None = None,
-    ) -> AsyncIterator[str | Completion]:
-        """``generate``, one text delta at a time as the engine produces them (non-empty
-        strings), then the ``Completion``. Closing the iterator early aborts the request."""
+    def _request(self, token_ids: Sequence[int], sampling: Sampling, cache_salt: str | None,
+                 request_id: str | None, route_as: Sequence[int] | None) -> tuple[Any, Any, str]:
+        """``AsyncLLM.generate``'s arguments: the prompt, the sampling parameters (deltas) and
+        the request id. ``route_as`` is ignored: one engine has nowhere else to send a prefill."""
         from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.exceptions import EngineDeadError
 
         self._check_loop()
         params = SamplingParams(
@@ -121,37 +99,30 @@ class EmbeddedBackend:
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
-        rid = request_id or f"minipic-{uuid.uuid4().hex}"
-        sent = time.perf_counter()
-        first: float | None = None
-        text: list[str] = []
-        out_ids: list[int] = []
+        return prompt, params, request_id or f"minipic-{uuid.uuid4().hex}"
+
+    async def _send(self, request: tuple[Any, Any, str], token_ids: Sequence[int]
+                    ) -> AsyncIterator[Delta | Usage]:
+        """``AsyncLLM.generate``'s outputs, one ``Delta`` each (its first choice's delta);
+        closed early, the engine's generator is dropped, which aborts the request."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         cached = 0
-        finish: str | None = None
         try:
-            async for out in self.engine.generate(prompt, params, rid):
-                if first is None:
-                    first = time.perf_counter()
+            async for out in self.engine.generate(*request):
                 if out.num_cached_tokens is not None:
                     cached = max(cached, out.num_cached_tokens)
-                for choice in out.outputs[:1]:
-                    text.append(choice.text)
-                    out_ids.extend(choice.token_ids)
-                    finish = choice.finish_reason or finish
-                    if choice.text:
-                        yield choice.text
+                choice = out.outputs[0] if out.outputs else None
+                yield Delta() if choice is None else Delta(
+                    choice.text, choice.token_ids, choice.finish_reason)
         except EngineDeadError as exc:
             raise EngineError(f"the embedded vLLM engine died: {exc}") from exc
         except (VLLMClientError, ValueError) as exc:
             # keep the cause, not its frames: they pin the engine alive past close()
             raise BadInputError(f"the engine rejected the request: {exc}") from (
                 exc.with_traceback(None))
-        done = time.perf_counter()
-        yield Completion(
-            text="".join(text), token_ids=out_ids, prompt_tokens=len(token_ids),
-            cached_tokens=cached, ttft_s=(first or done) - sent, latency_s=done - sent,
-            finish_reason=finish,
-        )
+        yield Usage(prompt_tokens=len(token_ids), cached_tokens=cached)
 
     async def prompt_logprobs(self, token_ids: Sequence[int], k: int, *,
                               spans: bool = True) -> list[dict[int, float] | None]:
@@ -178,23 +149,23 @@ class EmbeddedBackend:
     async def rotated_pool_stats(self) -> dict[str, Any]:
         """The CPU worker's rotated-block pool: bytes now, peak, cap and the budget it was given
         (memory outside the KV blocks, inside the configured KV space; see
-        ``engine_ext/rotated_pool.py``). Empty when the engine has no such pool."""
+        ``engine_ext/attention/key_shadow/pool.py``). Empty when the engine has no such pool."""
         self._check_loop()
         try:
-            replies = await self.engine.collective_rpc("minipic_rotated_pool_stats")
+            replies = await self.engine.collective_rpc(KEY_SHADOW_STATS_RPC)
         except Exception:  # stock engine, GPU, or plugin off: no pool to report
             return {}
         return replies[0] if replies else {}
 
     async def prefill_step_stats(self) -> dict[str, Any]:
         """Engine steps per opted-in prompt, counted by the scheduler
-        (``engine_ext/hole_steps.py``): a histogram and the recent prompts. Empty when the
-        engine runs without the lookup past misses."""
+        (``engine_ext/holes/scheduler_steps.py``): a histogram and the recent prompts. Empty when
+        the engine runs without the lookup past misses."""
         self._check_loop()
         if not (self.settings.pic and "holes" in self.settings.features):
             return {}  # (asking would log the EngineCore's AttributeError)
-        try:  # engine_ext.hole_steps.STATS_METHOD (the engine side sits below this layer)
-            return await self.engine.engine_core.call_utility_async("minipic_hole_stats")
+        try:
+            return await self.engine.engine_core.call_utility_async(HOLE_STATS_UTILITY)
         except Exception:  # plugin off or no holes feature: the utility does not exist
             return {}
 

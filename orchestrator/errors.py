@@ -1,18 +1,13 @@
-"""Errors an orchestrator user catches by kind: minipic's one tree (``span_contract.errors``),
-re-exported here with the helpers the scheduler uses.
+"""Errors an orchestrator user catches by kind: minipic's one tree, defined and drawn once in
+``span_contract.errors`` and re-exported here, with the two helpers the SDK adds to it.
 
-    MinipicError
-    ├── BadInputError            the question, documents or options can never work as given
-    │   └── SpanTooLongError     one document alone does not fit the engine's context
-    ├── ConfigMismatchError      the server runs another block size / SSEP / PDEP / PAD
-    ├── CacheMismatchError       the engine had spans cold that should be warm (on_cold="raise")
-    └── EngineError              the engine failed a request
-        ├── EngineUnreachableError   connection refused / reset: server down or restarting
-        └── RequestTimeoutError      no complete answer within the per-request timeout
-
-Why a tree and not flags: callers decide by kind whether to fix their input (``BadInputError``),
-retry later (``EngineError`` with ``retryable``), or page someone (``ConfigMismatchError``).
-``answer_many`` returns these as values, one per failed question, with ``question_index`` set.
+What the SDK adds is one rule, ``from_build_error``: a prompt-builder error met while laying a
+question out (a ``PromptBuildError``: ``InvalidInputError``, ``EmptySpanError``, ...) reaches
+the caller as a plain ``BadInputError`` named after it (the original as ``__cause__``); only
+``SpanTooLongError`` keeps its kind. So a caller of ``build``, ``answer``, ``answer_many``,
+``warm`` or ``stream_answer`` catches ``BadInputError`` and ``SpanTooLongError``
+(``PromptBuildError`` itself is not re-exported here). ``answer_many`` returns these errors as
+values, one per failed question, each with its own ``question_index`` (``with_index``).
 """
 
 from __future__ import annotations

@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import httpx
 
-from orchestrator.backends import BackendInfo, Completion, Sampling, final_completion
+from orchestrator.backends import BackendInfo, Delta, Sampling, TransportBackend, Usage
 from orchestrator.errors import (
     BadInputError,
     ConfigMismatchError,
@@ -120,7 +119,7 @@ def fetch_server_info(
     return info, raw
 
 
-class HttpBackend:
+class HttpBackend(TransportBackend):
     """One OpenAI-compatible server. An ``httpx.AsyncClient`` is made per event loop (a client's
     connection pool belongs to the loop that opened it)."""
 
@@ -179,10 +178,9 @@ class HttpBackend:
             self._clients[loop] = client
         return client
 
-    def _payload(
-        self, token_ids: Sequence[int], sampling: Sampling, cache_salt: str | None,
-        request_id: str | None,
-    ) -> dict[str, Any]:
+    def _request(self, token_ids: Sequence[int], sampling: Sampling, cache_salt: str | None,
+                 request_id: str | None, route_as: Sequence[int] | None) -> dict[str, Any]:
+        """The JSON body of ``POST /v1/completions`` (streamed, with the usage chunk)."""
         body: dict[str, Any] = {
             "model": self.info.model,
             "prompt": list(token_ids),
@@ -203,45 +201,19 @@ class HttpBackend:
             body["cache_salt"] = cache_salt
         if request_id is not None:
             body["request_id"] = request_id
+        if route_as is not None and self.route_hints:
+            body[ROUTE_AS_KEY] = list(route_as)
         return body
 
-    async def generate(
-        self,
-        token_ids: Sequence[int],
-        *,
-        sampling: Sampling,
-        cache_salt: str | None = None,
-        request_id: str | None = None,
-        route_as: Sequence[int] | None = None,
-    ) -> Completion:
-        return await final_completion(self.stream(token_ids, sampling=sampling,
-                                                  cache_salt=cache_salt, request_id=request_id,
-                                                  route_as=route_as))
-
-    async def stream(
-        self,
-        token_ids: Sequence[int],
-        *,
-        sampling: Sampling,
-        cache_salt: str | None = None,
-        request_id: str | None = None,
-        route_as: Sequence[int] | None = None,
-    ) -> AsyncIterator[str | Completion]:
-        """``generate``, one text delta per SSE chunk as the server sends them (non-empty
-        strings), then the ``Completion``. Closing the iterator early closes the connection,
-        which makes vLLM abort the request."""
+    async def _send(self, request: dict[str, Any], token_ids: Sequence[int]
+                    ) -> AsyncIterator[Delta | Usage]:
+        """One ``Delta`` per choice of each SSE chunk as the server sends them, then the final
+        chunk's usage. Closed early, it closes the connection, which makes vLLM abort the
+        request."""
         url = self.base_url + "/v1/completions"
-        payload = self._payload(token_ids, sampling, cache_salt, request_id)
-        if route_as is not None and self.route_hints:
-            payload[ROUTE_AS_KEY] = list(route_as)
-        sent = time.perf_counter()
-        first: float | None = None
-        text: list[str] = []
-        out_ids: list[int] = []
         usage: dict[str, Any] | None = None
-        finish: str | None = None
         try:
-            async with self._client().stream("POST", "/v1/completions", json=payload) as resp:
+            async with self._client().stream("POST", "/v1/completions", json=request) as resp:
                 if resp.status_code != 200:
                     raise _status_error(resp.status_code, await resp.aread(), url)
                 async for line in resp.aiter_lines():
@@ -256,17 +228,11 @@ class HttpBackend:
                         code = int(err.get("code") or 500) if isinstance(err, dict) else 500
                         raise _status_error(code, data, url)
                     for choice in chunk.get("choices") or []:
-                        if first is None:
-                            first = time.perf_counter()
-                        text.append(choice.get("text") or "")
-                        out_ids.extend(choice.get("token_ids") or [])
-                        finish = choice.get("finish_reason") or finish
-                        if text[-1]:
-                            yield text[-1]
+                        yield Delta(choice.get("text") or "", choice.get("token_ids") or [],
+                                    choice.get("finish_reason"))
                     usage = chunk.get("usage") or usage
         except httpx.HTTPError as exc:
             raise _transport_error(exc, self.base_url) from exc
-        done = time.perf_counter()
         if usage is None:
             raise EngineUnreachableError(f"{url}: stream ended without its usage chunk")
         details = usage.get("prompt_tokens_details") or {}
@@ -275,12 +241,8 @@ class HttpBackend:
                 f"{self.base_url} does not report cached prompt tokens; start vLLM with "
                 "--enable-prompt-tokens-details (`minipic serve` does)"
             )
-        yield Completion(
-            text="".join(text), token_ids=out_ids,
-            prompt_tokens=int(usage.get("prompt_tokens", len(token_ids))),
-            cached_tokens=int(details["cached_tokens"] or 0),
-            ttft_s=(first or done) - sent, latency_s=done - sent, finish_reason=finish,
-        )
+        yield Usage(prompt_tokens=int(usage.get("prompt_tokens", len(token_ids))),
+                    cached_tokens=int(details["cached_tokens"] or 0))
 
     async def prompt_logprobs(self, token_ids: Sequence[int], k: int, *,
                               spans: bool = True) -> list[dict[int, float] | None]:

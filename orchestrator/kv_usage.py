@@ -8,7 +8,7 @@ prefix cache (evictable) count as free in that fraction, as vLLM counts them.
 
 Bytes: a block holds ``block_size`` tokens of every attention layer, ``2 * head_size`` elements
 per token and kv head (K and V) with or without minipic: the position-free backend keeps vLLM's
-stock page (``engine_ext.rope_attention_backend``: keys stored once, rotated at their home slot).
+stock page (``engine_ext.attention.cpu_backend``: keys stored once, rotated at their home slot).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def kv_block_bytes(vllm_config: Any) -> int:
     """Bytes of one KV block over all attention layers, from the model config.
 
     The same with and without the position-free backend: it keeps vLLM's stock page (keys
-    stored once, rotated at their home slot; ``engine_ext/rope_attention_backend.py``).
+    stored once, rotated at their home slot; ``engine_ext/attention/cpu_backend.py``).
     """
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config

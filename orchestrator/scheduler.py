@@ -86,8 +86,8 @@ class SchedulerOptions(BaseModel):
                                 f"{DEFAULT_MAX_PREFILLS})")
     request_timeout_s: float | None = Field(300.0, gt=0, description="per engine request")
     # "report" by default: the engine computes a cold span in isolation inside the final (span
-    # isolation, engine_ext/span_isolation.py), so the answer is the one warm spans give and
-    # the span is cached afterwards; re-sending the final ("retry") only buys a warm TTFT.
+    # isolation, engine_ext/attention/span_isolation.py), so the answer is the one warm spans give
+    # and the span is cached afterwards; re-sending the final ("retry") only buys a warm TTFT.
     on_cold: Literal["retry", "report", "raise"] = "report"
     retry: RetryPolicy = RetryPolicy()
 

@@ -21,11 +21,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import ValidationError
-
 from orchestrator.backends import Completion, Sampling
 from orchestrator.client import Document, Orchestrator
-from orchestrator.errors import BadInputError, RequestTimeoutError
+from orchestrator.errors import RequestTimeoutError
 from orchestrator.results import Answer, SpanStatus
 from orchestrator.warmth import CacheCheck, check_cache
 from prompt_builder import BudgetPolicy, BuiltPrompt, Mode
@@ -99,13 +97,12 @@ async def stream_answer(
     **sampling: Any,
 ) -> AsyncIterator[str | Answer]:
     """Like ``Orchestrator.answer``, but yields the answer's text deltas (``str``) as they are
-    produced, then the ``Answer``. Raises a ``MinipicError`` subclass on failure."""
-    try:
-        params = Sampling(**sampling)
-    except ValidationError as exc:
-        raise BadInputError(f"invalid sampling arguments: {exc}") from None
-    prompt = orc.build(question, documents, system, mode, max_tokens=params.max_tokens,
-                       budget=budget, require_documents=require_documents)
+    produced, then the ``Answer``. Raises a ``MinipicError`` subclass on failure; its arguments
+    are checked and laid out by ``answer``'s own step (``Orchestrator._prepare``), so they are
+    refused exactly as ``answer`` refuses them."""
+    prompt, params = orc._prepare(question, documents, system, mode, cache_salt=cache_salt,
+                                  budget=budget, require_documents=require_documents,
+                                  sampling=sampling)
     started = time.perf_counter()
     skip = orc.options.skip_warm
     believed = {k for k in prompt.prefill_keys if skip and (cache_salt, k) in orc.registry}

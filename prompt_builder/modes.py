@@ -9,7 +9,7 @@ token's block), once every span prefill of the prompt ran. ``BuiltPrompt.expecte
 (= ``reusable_tokens``) is that number; ``BuiltPrompt.leading_cached_tokens`` is what a
 prefix-only lookup would take (the engine without its ``holes`` feature).
 
-Attention (the engine's span isolation, DESIGN.md section 2): an SSEP-led segment attends only
+Attention (the engine's span isolation, docs/design.md §2): an SSEP-led segment attends only
 within itself, whichever request computes it; everything else attends to all before it. So the
 output of a prompt does not depend on which spans were warm: a span prefill only saves compute.
 """

@@ -69,7 +69,7 @@ class BuiltPrompt(BaseModel):
     segments: list[Segment]  # contiguous, covering [0, len(prompt_token_ids))
     spans: list[SpanInfo]  # system span (if any) first, then spans in prompt order
     # prompt tokens the minipic engine finds cached once all span_prefills ran: every reusable
-    # block, holes allowed (its lookup continues past misses, engine_ext/hole_lookup.py)
+    # block, holes allowed (its lookup continues past misses, engine_ext/holes/scheduler_lookup.py)
     expected_cached_tokens: int
     # the same, counted as every reusable block anywhere (equal to expected_cached_tokens)
     reusable_tokens: int

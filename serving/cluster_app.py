@@ -3,7 +3,7 @@
 ``build_app`` only describes the application; ``run_cluster`` starts Ray (or joins a running
 cluster with ``address``), deploys it, and keeps it up until a stop signal. ``minipic serve
 --replicas N`` calls ``run_cluster``; on a multi-node cluster the same application is deployed
-from any node with ``--ray-address`` (README "Scale out").
+from any node with ``--ray-address`` (``docs/scale_out.md``).
 
 Routers (``--router``): ``span`` (``serving.span_router.SpanAffinityRouter``, the default),
 ``prefix`` (Ray's ``PrefixCacheAffinityRouter``), ``round_robin``, ``pow2`` (Ray's default).

@@ -2,8 +2,8 @@
 
 Why not a hash of our own: the router matches requests against the hashes replicas announce in
 their KV events, so both must come from one implementation. This module builds a real vLLM
-``Request`` with minipic's block hasher (``engine_ext.span_hashing.make_span_block_hasher``, the
-function the EngineCore runs) and converts each hash the way vLLM's event publisher does
+``Request`` with minipic's block hasher (``engine_ext.hashing.span_hashing.make_span_block_hasher``,
+the function the EngineCore runs) and converts each hash the way vLLM's event publisher does
 (``maybe_convert_block_hash``). What the engine's hash depends on travels with it:
 
 * the span config (block size, SSEP / PDEP ids) — the deployment's own;
@@ -104,8 +104,8 @@ class RequestBlockHasher:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core import kv_cache_utils as kcu
 
-        from engine_ext import patches
-        from engine_ext.span_hashing import make_span_block_hasher
+        from engine_ext.hashing.span_hashing import make_span_block_hasher
+        from engine_ext.vllm_surface import patches
 
         found = patches.problems("route")
         if found:  # hashes that silently differ from the engine's would route nothing

@@ -2,10 +2,10 @@
 
 Prefix-affinity routers (Ray's ``PrefixCacheAffinityRouter``, SGLang's, llm-d's, Dynamo's) score
 a replica by the *leading run* of a prompt it holds. A minipic span hashes the same at any offset
-(``engine_ext/span_hashing.py``) and each engine reuses it past misses
-(``engine_ext/hole_lookup.py``), so this router scores a replica by how many of the request's
-block hashes it holds **anywhere** in the prompt, as learned from the replicas' own KV events
-(``serving/kv_events.py``) plus the blocks it just sent them (``serving/block_index.py``).
+(``engine_ext/hashing/span_hashing.py``) and each engine reuses it past misses
+(``engine_ext/holes/scheduler_lookup.py``), so this router scores a replica by how many of the
+request's block hashes it holds **anywhere** in the prompt, as learned from the replicas' own KV
+events (``serving/kv_events.py``) plus the blocks it just sent them (``serving/block_index.py``).
 
 The policy, in order:
 

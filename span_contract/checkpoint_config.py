@@ -1,7 +1,7 @@
 """Server-level settings of the sparse recurrent-checkpoint feature (``ckpt``).
 
 Part of the client-engine contract: ``minipic serve`` and the embedded engine build it, the
-EngineCore reads it (``engine_ext/checkpoint_policy.py``). Validation uses the planner's own
+EngineCore reads it (``engine_ext/recurrent/policy.py``). Validation uses the planner's own
 method names and histogram formats (``checkpoint_planner``, pure arithmetic below this package).
 """
 

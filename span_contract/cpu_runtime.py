@@ -29,7 +29,7 @@ Where the libraries come from: ``libiomp5.so`` from the ``intel-openmp`` wheel (
 span_contract.cpu_runtime fetch``, which unpacks the package into ``<venv>/lib`` without
 installing anything system-wide; an installed system copy is found too. A library that is absent
 is skipped with one log line; ``MINIPIC_CPU_PRELOAD=0`` turns the whole thing off (vLLM's own
-defaults, as before). Measured effect: ``benchmarks/cpu_runtime.py`` (README "CPU runtime").
+defaults). Measured effect: ``benchmarks/cpu_runtime.py`` (``docs/cli.md``, "CPU runtime").
 
 Stdlib only: vLLM's processes import ``span_contract`` through the plugin.
 """
@@ -48,9 +48,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from span_contract.env import CPU_PRELOAD_ENV
+
 logger = logging.getLogger(__name__)
 
-PRELOAD_ENV = "MINIPIC_CPU_PRELOAD"  # "0": leave LD_PRELOAD as it is (vLLM's own defaults)
+PRELOAD_ENV = CPU_PRELOAD_ENV  # "0": leave LD_PRELOAD as it is (vLLM's own defaults)
 TCMALLOC_PACKAGE = "libtcmalloc-minimal4"  # Debian / Ubuntu
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 IOMP_NAMES = ("libiomp5.so",)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from span_contract.checkpoint_config import CheckpointConfig
 from span_contract.cpu_runtime import preload_env
+from span_contract.env import ENABLE_ENV
 from span_contract.span_config import ALL_FEATURES, SpanConfig
 from span_contract.span_store_config import SpanStoreConfig
 
@@ -119,14 +120,15 @@ class EngineSettings(BaseModel):
     def plugin_env(self) -> dict[str, str]:
         """Environment for the engine processes: plugin on with our ids, or explicitly off; on
         CPU also tcmalloc and Intel OpenMP in ``LD_PRELOAD`` (``span_contract.cpu_runtime``)."""
-        env = {"VLLM_PLUGINS": PLUGIN_NAME, "MINIPIC_ENABLE": "0"}
+        env = {"VLLM_PLUGINS": PLUGIN_NAME, ENABLE_ENV: "0"}
         if self.pic:
             assert self.span_config is not None, "call resolved() first"
             env.update(self.span_config.to_env(self.features))
             if "rope" in self.features:
                 # vLLM's V1 model runner: span isolation hooks its metadata build, which the V2
                 # runner (the CUDA default since 0.32) does not have; the worker refuses
-                # opted-in requests on a runner that skips it (engine_ext/integration_guard.py)
+                # opted-in requests on a runner that skips it
+                # (engine_ext/vllm_surface/integration_guard.py)
                 env[V2_RUNNER_ENV] = "0"
             if "ckpt" in self.features:
                 env.update((self.ckpt or CheckpointConfig()).to_env())
@@ -147,7 +149,7 @@ class EngineSettings(BaseModel):
 
         vLLM hashes ``additional_config`` into its compile-cache key, so a compiled graph is
         never reused across span configs, features or plugin builds; the EngineCore also checks
-        it against the configuration the plugin runs with (``engine_ext/span_hashing.py``).
+        it against the configuration the plugin runs with (``engine_ext/hashing/span_hashing.py``).
         """
         if not self.pic:
             return {}

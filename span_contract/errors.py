@@ -12,7 +12,8 @@
     │   ├── EngineUnreachableError       connection refused / reset: server down or restarting
     │   ├── RequestTimeoutError          no complete answer within the per-request timeout
     │   └── EngineIntegrationError       this vLLM / engine configuration cannot run a minipic
-    │                                    feature (engine_ext/patches.py; start-up refuses)
+    │                                    feature (engine_ext/vllm_surface/patches.py; start-up
+    │                                    refuses)
     └── UnavailableError (RuntimeError)  an offline asset (model, corpus, tokenizer table) is
                                          missing; the message names the command that fixes it
 
@@ -20,7 +21,9 @@ Why a tree and not flags: callers decide by kind whether to fix their input (``B
 retry later (``EngineError`` with ``retryable``), or page someone (``ConfigMismatchError``,
 ``EngineIntegrationError``). ``answer_many`` returns these as values, one per failed question,
 with ``question_index`` set. It lives in the contract package because every layer raises it:
-the prompt builder, the orchestrator, the engine plugin inside vLLM's processes, the app.
+the prompt builder, the orchestrator, the engine plugin inside vLLM's processes, the app. The
+tree is drawn here only: ``orchestrator.errors`` re-exports it and adds how the SDK hands
+prompt-builder errors to its callers (``from_build_error``).
 """
 
 from __future__ import annotations

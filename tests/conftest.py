@@ -1,6 +1,6 @@
 """Shared fixtures: real vLLM engines, embedded orchestrators and `minipic serve` processes,
 each started once per run and shared by every module that declares it
-(``pytest.mark.shares``, ``tests/shared_resources.py``), and the run's environment.
+(``pytest.mark.shares``, ``tests/support/shared_resources.py``), and the run's environment.
 """
 
 from __future__ import annotations
@@ -8,17 +8,14 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import lanes
 import pytest
-from file_timing import (
+from support import lanes
+from support.engine_profiles import ENGINE_PROFILES
+from support.file_timing import (
     LANES_OUTPUT,
     STARTS_KEY,
     pytest_runtest_logreport,
@@ -26,13 +23,16 @@ from file_timing import (
     pytest_testnodedown,
     send_from_worker,
 )
-from shared_resources import SharedResources, declared, module_id, order_modules
+from support.seeds import fresh_seed
+from support.servers import SCRATCH, ServerProcess
+from support.shared_resources import SharedResources, declared, module_id, order_modules
+
+from span_contract.env import CACHE_DIR_ENV, SPAN_STORE_ENV, TEST_CACHE_ENV
 
 __all__ = ["pytest_runtest_logreport", "pytest_terminal_summary",  # per-file times
            "pytest_testnodedown"]
 
-CACHE_ENV = "MINIPIC_CACHE_DIR"
-TEST_CACHE_ENV = "MINIPIC_TEST_CACHE"  # "user" (default) or "temp"
+CACHE_ENV = CACHE_DIR_ENV
 
 
 def choose_cache(config: pytest.Config) -> tuple[str, str]:
@@ -93,15 +93,7 @@ def pytest_configure(config: pytest.Config) -> None:
     SCRATCH[:] = [scratch]
 
 
-SPAN_STORE_DEFAULT_ENV = "MINIPIC_SPAN_STORE"
-SCRATCH: list[Path] = []  # this run's scratch folder (pytest_configure)
-
-
-def scratch_path(name: str) -> str:
-    """A path in this run's scratch folder (``/tmp`` outside a pytest run)."""
-    return str((SCRATCH[0] / name) if SCRATCH else Path(tempfile.gettempdir()) / Path(name).name)
-
-
+SPAN_STORE_DEFAULT_ENV = SPAN_STORE_ENV
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     send_from_worker(session.config)
     if not SCRATCH:
@@ -120,34 +112,6 @@ _CACHE_KEY = pytest.StashKey[str]()
 def pytest_report_header(config: pytest.Config) -> str:
     return config.stash.get(_CACHE_KEY, "")
 
-# Overlap depths the hybrid checkpoint profile plans for: half the requests reuse 1200 tokens of a
-# cached prefix, half 1800 (depths 0..2048 = max_model_len). The engine's recurrent block g
-# depends on the CPU (288 or 544 tokens, see tests/test_recurrent_checkpoints.py); with budget 2
-# the dp plan is two multiples of g below the two depths, leaving the first boundary g unplanned.
-QWEN3NEXT_CKPT_HISTOGRAM = [0.5 if t in (1200, 1800) else 0.0 for t in range(2049)]
-
-# profile name -> EngineSettings overrides. fp32 so outputs can be compared tightly (the hybrid
-# profiles run bf16: vLLM's CPU GDN kernel accepts nothing else; its recurrent state is fp32).
-ENGINE_PROFILES: dict[str, dict[str, Any]] = {
-    "smol_pic": dict(model=None, pic=True),
-    "smol_stock": dict(model=None, pic=False),
-    "tiny_pic": dict(model="tiny-llama", pic=True),
-    "tiny_stock": dict(model="tiny-llama", pic=False),
-    "tiny_hash_only": dict(model="tiny-llama", pic=True, features=("hash",)),
-    # tiny Qwen3-Next hybrid with sparse recurrent checkpoints (span hashing refuses hybrids)
-    "qwen3next_ckpt": dict(model="tiny-qwen3-next", pic=True, features=("ckpt",),
-                           dtype="bfloat16",
-                           ckpt=dict(budget=2, method="dp", histogram=QWEN3NEXT_CKPT_HISTOGRAM)),
-    # the same, with the recurrent state's dtype forced (vLLM's choice depends on the CPU): the
-    # test of the dtype this CPU does not choose uses one of them
-    **{f"qwen3next_ckpt_{dtype}": dict(
-        model="tiny-qwen3-next", pic=True, features=("ckpt",), dtype="bfloat16",
-        ckpt=dict(budget=2, method="dp", histogram=QWEN3NEXT_CKPT_HISTOGRAM),
-        extra={"mamba_ssm_cache_dtype": dtype}) for dtype in ("bfloat16", "float32")},
-    # the same model without prefix caching: the reference for exact resumption
-    "qwen3next_nocache": dict(model="tiny-qwen3-next", pic=False, dtype="bfloat16",
-                              prefix_caching=False),
-}
 # Run order of the shared resources: the modules that use each one run side by side
 # (shared_resources.order_modules); at most SHARED_CAP are up at once (~3 GiB each).
 RESOURCE_ORDER = ["tiny_stock", "tiny_pic", "tiny_hash_only", "smol_pic", "smol_stock",
@@ -178,12 +142,12 @@ def worker_count(config: pytest.Config) -> int:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """With ``-n N``: N lanes of whole modules, one per worker (``tests/lanes.py``)."""
+    """With ``-n N``: N lanes of whole modules, one per worker (``tests/support/lanes.py``)."""
     return lanes.scheduler(config, log)
 
 
 def assign_lanes(config: pytest.Config, items: list[pytest.Item]) -> dict[str, int]:
-    """One lane of whole modules per xdist worker (``tests/lanes.py``), published for the
+    """One lane of whole modules per xdist worker (``tests/support/lanes.py``), published for the
     controller's scheduler; every module in lane 0 when the run is not split."""
     modules: dict[str, set[str]] = {}
     for item in items:
@@ -253,64 +217,9 @@ def seed() -> int:
     return fresh_seed()
 
 
-def fresh_seed() -> int:
-    """``seed``'s value, for a fixture of wider scope that draws its own inputs."""
-    env = os.environ.get("MINIPIC_TEST_SEED")
-    return int(env) if env else random.SystemRandom().randrange(2**31)
-
-
 @pytest.fixture(scope="session")
 def engines() -> EnginePool:
     return EnginePool()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """A real `minipic serve` subprocess on a free loopback port."""
-
-    def __init__(self, *args: str, log_path: str | None = None, eager: bool = True):
-        self.eager = eager  # tests run eager: compiled start-up costs ~40 s per server
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.args = args
-        self.log_path = log_path or scratch_path(f"logs/minipic-serve-{self.port}.log")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 300.0) -> ServerProcess:
-        import httpx
-
-        log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minipic.cli", "serve", "--port", str(self.port),
-             *(["--eager"] if self.eager else []), *self.args],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"minipic serve exited early; see {self.log_path}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"minipic serve not healthy after {timeout}s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")

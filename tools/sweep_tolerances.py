@@ -2,12 +2,12 @@
 comes to its tolerance.
 
     .venv/bin/python tools/sweep_tolerances.py               # 200 seeds per test
-    .venv/bin/python tools/sweep_tolerances.py --seeds 20 tests/test_kernels.py -k move_keys
+    .venv/bin/python tools/sweep_tolerances.py --seeds 20 tests/engine/test_kernels.py -k move_keys
 
 Every test that takes the ``seed`` fixture and is marked ``fast`` runs once per seed
-(``pytest --seed-sweep N``). Each tolerance check (``tests/tolerances.py``) records its error as
-a share of its tolerance; the report lists, per test and check, the worst share seen and the
-seed that gave it (``MINIPIC_TEST_SEED=<seed>`` replays it). The run fails if a test failed or a
+(``pytest --seed-sweep N``). Each tolerance check (``tests/support/tolerances.py``) records its
+error as a share of its tolerance; the report lists, per test and check, the worst share seen and
+the seed that gave it (``MINIPIC_TEST_SEED=<seed>`` replays it). The run fails if a test failed or a
 share reached ``--max-share`` (default 0.5: no test within 2x of its tolerance).
 
 Writes ``--out`` + ``.json`` and ``.md`` (default ``results/tolerance_sweep/all``). The Triton
@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from span_contract.env import TEST_SEED_ENV, TOLERANCE_LOG_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_ID = re.compile(r"-?sweep\d+")
@@ -91,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="minipic-sweep-") as tmp:
         log = Path(tmp) / "shares.jsonl"
         report = Path(tmp) / "report.json"
-        env = {**os.environ, "MINIPIC_TOLERANCE_LOG": str(log)}
-        env.pop("MINIPIC_TEST_SEED", None)
+        env = {**os.environ, TOLERANCE_LOG_ENV: str(log)}
+        env.pop(TEST_SEED_ENV, None)
         started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-m", "fast", "-p", "no:cacheprovider",

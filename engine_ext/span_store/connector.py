@@ -12,7 +12,7 @@ hash names. No other block is stored: its KV depends on the whole prefix.
 mixed with a fingerprint of everything else the KV bytes depend on (``fingerprint_facts``: the
 weights' content and revision, overrides, quantization, dtype, block size, rotary config, span
 config, KV page layout and minipic's engine code), and vLLM's root hash. Entries also carry the
-fingerprint in their header, under the store's MAC (``store_files``): an entry written by
+fingerprint in their header, under the store's MAC (``tiers/files.py``): an entry written by
 another model, config or build, or by anyone without the store's secret, is never read. Weights
 that cannot be found to hash (a hub id not downloaded) mean no store, and tensor parallelism is
 refused until a block can be checked loaded on every rank. A tenant's blocks hash with its salt, so
@@ -26,8 +26,8 @@ which is all this API's ``get_num_new_matched_tokens`` can report): ``scheduler_
 
 Tiers (``tiers``): a bounded RAM LRU in the worker, in front of a bounded crash-safe directory on
 local disk and, for several replicas, a shared directory. vLLM's KV connector API is an
-extension point, so the store adds no rows to ``engine_ext/patches.py``: it is reached from the
-lookup wrapper ``engine_ext/hole_lookup.py`` already installs.
+extension point, so the store adds no rows to ``engine_ext/vllm_surface/patches.py``: it is reached
+from the lookup wrapper ``engine_ext/holes/scheduler_lookup.py`` already installs.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from engine_ext.hole_lookup import STORE_ATTR  # on the KVCacheManager: our scheduler half
+from engine_ext.holes.scheduler_lookup import attach_span_store, full_attention_manager
 from engine_ext.span_store.keys import config_fingerprint
 from span_contract.errors import EngineIntegrationError
 from span_contract.span_config import SpanConfig
@@ -168,7 +168,7 @@ class MinipicSpanStore(KVConnectorBase_V1):
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        setattr(kv_cache_manager, STORE_ATTR, self)
+        attach_span_store(kv_cache_manager, self)
 
     def promote(self, kv_cache_manager: Any, request: Any, manager: Any) -> None:
         """Called by the lookup wrapper before vLLM's own lookup (``scheduler_side``)."""
@@ -189,16 +189,14 @@ class MinipicSpanStore(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self.lookup is not None and self._kv_cache_manager is not None
-        loads, saves = self.lookup.plan_step(scheduler_output, self._kv_cache_manager)
+        loads, saves = self.lookup.plan_loads(scheduler_output, self._kv_cache_manager)
         return SpanStoreMetadata(loads=loads, saves=saves)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         if self.lookup is None or not isinstance(meta, SpanStoreWorkerMetadata):
             return
-        from engine_ext.hole_lookup import _single_full_attention_manager
-
-        manager = _single_full_attention_manager(self._kv_cache_manager)
+        manager = full_attention_manager(self._kv_cache_manager)
         if manager is not None:
             self.lookup.on_worker_output(manager, meta.loaded, meta.failed, meta.saved,
                                          meta.not_saved)

@@ -1,7 +1,7 @@
 """Store reads ahead of the engine's step: a thread pool, a per-step byte cap, an I/O deadline.
 
 A fill reads a file and checks its MAC before its bytes can be copied into the pool. Done on
-the step's thread (as it was), a cold disk or a network mount stalls every running decode for
+the step's thread, a cold disk or a network mount stalls every running decode for
 as long as the reads take: 8k tokens of SmolLM2 are 256 entries of 1.47 MB. So the worker hands
 each step's loads to reader threads and, at every step, copies in only what has been read --
 at most ``step_bytes`` of it, so one step's copying stays short -- and reports the rest later.

@@ -1,6 +1,6 @@
 """What a span-store entry is stored under: block hash + a fingerprint of everything else.
 
-A span block's hash (``engine_ext/span_hashing.py``) names its tokens, its span chain, the
+A span block's hash (``engine_ext/hashing/span_hashing.py``) names its tokens, its span chain, the
 tenant's ``cache_salt`` and LoRA keys -- everything its KV depends on *inside one engine*. Outside
 the engine the same hash could have been computed by other weights, another dtype or block
 size, other SSEP/PDEP ids, or another page layout (the CPU kernel packs pages per ISA). The

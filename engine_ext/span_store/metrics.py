@@ -26,7 +26,7 @@ Metrics (Prometheus adds ``_total`` to counters):
 * ``minipic:span_store_write_pauses{tier=disk|shared}`` and
   ``minipic:span_store_write_resumes{tier}`` -- a tier's writes paused after a full, read-only
   or forbidden disk (each failed probe pauses again, longer) and resumed when a probe write
-  succeeded (``write_backoff``); reported by the worker, which does the writes.
+  succeeded (``tiers/backoff.py``); reported by the worker, which does the writes.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 as one contiguous run right after the local hit, which stops at the first miss; span blocks
 sit anywhere in a prompt. So the store does not go through that accounting at all. When a
 request that opted into span semantics is looked up (``KVCacheManager.get_computed_blocks``,
-wrapped by ``engine_ext/hole_lookup.py``), every span-chained block (``span_chained_blocks``)
-that misses the pool but is in the store gets a fresh pool block, and the worker is told (this
-step's connector metadata) to fill it. The request waits one step
+wrapped by ``engine_ext/holes/scheduler_lookup.py``), every span-chained block
+(``span_chained_blocks``) that misses the pool but is in the store gets a fresh pool block, and the
+worker is told (this step's connector metadata) to fill it. The request waits one step
 (``get_num_new_matched_tokens`` answers None: "ask again"). The worker reports each fill; a
 filled block is then inserted into the prefix cache under its hash, exactly as if the engine
 had computed it, and released. At its next lookup the request finds those blocks as ordinary
@@ -36,8 +36,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_ext.hole_steps import step_ranges
-from engine_ext.span_hashing import span_chained_blocks
+from engine_ext.hashing.span_hashing import span_chained_blocks
+from engine_ext.holes.scheduler_steps import step_ranges
 from engine_ext.span_store.keys import entry_key
 from engine_ext.span_store.metrics import StatsDelta
 from span_contract.span_config import SpanConfig, spans_opted_in
@@ -175,7 +175,7 @@ class StoreLookup:
 
     # -- metadata ---------------------------------------------------------------------------
 
-    def plan_step(self, scheduler_output: Any, kv_cache_manager: Any
+    def plan_loads(self, scheduler_output: Any, kv_cache_manager: Any
                   ) -> tuple[list[tuple[int, str]], list[tuple[int, str, int]]]:
         """This step's fills and saves ``(block id, key, table slot)``."""
         loads, self.pending_loads = self.pending_loads, []
@@ -186,7 +186,7 @@ class StoreLookup:
             if request is None:
                 continue
             # before this step (vLLM advances it later); several holes when the step computes
-            # them all (engine_ext/hole_steps.py)
+            # them all (engine_ext/holes/scheduler_steps.py)
             ranges = step_ranges(request, count)
             last = min(len(request.block_hashes), request.num_prompt_tokens // bs)
             indices = [i for start, stop in ranges

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-STATS_METHOD = "minipic_span_store_stats"
+from span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
 
 
 def _span_store_stats(engine_core: Any) -> dict[str, Any] | None:
@@ -26,4 +26,7 @@ def install() -> None:
     """Make the utility callable on the EngineCore (idempotent)."""
     from vllm.v1.engine.core import EngineCore
 
-    setattr(EngineCore, STATS_METHOD, _span_store_stats)
+    from engine_ext.vllm_surface import patches
+
+    patches.add("store", {
+        f"{EngineCore.__module__}:EngineCore.{SPAN_STORE_STATS_UTILITY}": _span_store_stats})

@@ -35,7 +35,6 @@ class PageCopier:
         self.layers: list[str] = []
         self.caches: list[torch.Tensor] = []
         self.page_bytes = 0
-        self.builder: Any = None
         self._reported: dict[str, int] = {}  # tier write counters as last reported
 
     def tier_events(self) -> dict[str, int]:
@@ -55,15 +54,12 @@ class PageCopier:
         return out
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from engine_ext.rope_attention_backend import BUILDERS
-
         self.layers = sorted(kv_caches)
         self.caches = [kv_caches[name] for name in self.layers]
         first = self.caches[0]
         self.page_bytes = first[0].numel() * first.element_size()
         if any(c[0].numel() * c.element_size() != self.page_bytes for c in self.caches):
             raise ValueError("minipic span store: attention layers with different page sizes")
-        self.builder = BUILDERS.get(self.layers[0])  # None: no home slots (GPU backend)
 
     def _meta(self, home: int) -> dict[str, Any]:
         return {"home": home, "layers": len(self.layers), "page_bytes": self.page_bytes,
@@ -72,11 +68,13 @@ class PageCopier:
     def save(self, block_id: int, key: str, slot: int) -> bool:
         """Copy a block out (all layers) and hand it to the store; False if the store holds it
         nowhere (RAM too small, every writer's queue full or writes paused)."""
-        home = slot
-        if self.builder is not None:
-            home = int(self.builder.home.slots_of(torch.tensor([block_id]))[0])
-            if home < 0:
-                return False  # never written here: nothing to save
+        from engine_ext.attention.cpu_backend import home_slot_of
+
+        home = home_slot_of(self.layers[0], block_id)
+        if home is None:
+            home = slot  # no home slots (GPU backend): the slot it was computed at
+        elif home < 0:
+            return False  # never written here: nothing to save
         pages = torch.cat([cache[block_id].reshape(-1).view(torch.uint8).cpu()
                            for cache in self.caches])
         return bool(self.store.put(key, self.entry_cls(pages.numpy().tobytes(),
@@ -111,5 +109,38 @@ class PageCopier:
 
     def filled(self, blocks: list[int], homes: list[int]) -> None:
         """Tell the attention metadata builder the home slots of freshly filled blocks."""
-        if self.builder is not None:
-            self.builder.blocks_filled(blocks, homes)
+        from engine_ext.attention.cpu_backend import blocks_filled
+
+        blocks_filled(self.layers[0], blocks, homes)
+
+
+def flush_worker_store(timeout_s: float) -> dict[str, Any]:
+    """Wait (up to ``timeout_s``) until this worker's span store has written what it was given,
+    and report its write counters; empty when the engine runs no span store.
+
+    Why: the store writes off the engine's step (a background writer per tier); a caller that
+    records a span as durable (``minipic index``'s manifest) must not do so before its blocks
+    are on disk. Called in the worker (``collective_rpc``) through vLLM's KV-transfer group,
+    the one handle a worker has on its connector.
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return {}
+    pages = getattr(get_kv_transfer_group(), "pages", None)
+    if not isinstance(pages, PageCopier):
+        return {}
+    store = pages.store
+    store.flush(timeout_s)
+    stats = store.stats()
+    tiers = stats.get("tiers") or {}
+    return {
+        "tiers": len(tiers),
+        "pending_writes": int(stats.get("pending_writes", 0)),
+        "skipped_queue_full": int(stats.get("skipped_queue_full", 0)),
+        "writer_errors": int(stats.get("writer_errors", 0)),
+        "write_errors": sum(int(t.get("write_errors", 0)) for t in tiers.values()),
+        "writes_enabled": all(bool(t.get("writes_enabled", True)) for t in tiers.values()),
+        "evictions": sum(int(t.get("evictions", 0)) for t in tiers.values()),
+        "kv_bytes_per_block": int(pages.page_bytes) * len(pages.caches),
+    }

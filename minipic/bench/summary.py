@@ -1,4 +1,4 @@
-"""The table printed at the end of ``minipic bench`` (and pasted into the README)."""
+"""The table printed at the end of ``minipic bench`` (and into ``results/bench/README.md``)."""
 
 from __future__ import annotations
 

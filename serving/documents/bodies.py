@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from orchestrator.errors import BadInputError
 from prompt_builder import BudgetPolicy, Mode
+from span_contract.env import MAX_BODY_MIB_ENV, MAX_DOCUMENT_CHARS_ENV, MAX_DOCUMENTS_ENV
 
 Route = Literal["chat", "completions"]
 ROUTES: dict[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -55,9 +56,9 @@ class Limits:
     the server's memory for as long as it likes. The defaults are far above any context a
     served model takes (a 1M-character document is ~250k tokens)."""
 
-    BODY_ENV = "MINIPIC_MAX_BODY_MIB"
-    DOCUMENTS_ENV = "MINIPIC_MAX_DOCUMENTS"
-    DOCUMENT_CHARS_ENV = "MINIPIC_MAX_DOCUMENT_CHARS"
+    BODY_ENV = MAX_BODY_MIB_ENV
+    DOCUMENTS_ENV = MAX_DOCUMENTS_ENV
+    DOCUMENT_CHARS_ENV = MAX_DOCUMENT_CHARS_ENV
 
     def __init__(self, body_bytes: int = 32 << 20, documents: int = 1024,
                  document_chars: int = 1_000_000) -> None:

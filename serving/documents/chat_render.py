@@ -1,5 +1,5 @@
 """The one vLLM hook of the documents routes: a chat request's rendered prompt becomes the span
-layout (a row of ``engine_ext/patches.py``, feature ``documents``).
+layout (a row of ``engine_ext/vllm_surface/patches.py``, feature ``documents``).
 
 vLLM's chat route renders the messages with the chat template and runs whatever ids come out;
 no extension point takes token ids for a chat request. The middleware
@@ -33,7 +33,7 @@ def _with_layout(result: Any, ids: list[int]) -> Any:
 
 def install() -> None:
     """Wrap the chat route's render step (API-server process; idempotent)."""
-    from engine_ext import patches
+    from engine_ext.vllm_surface import patches
 
     def factory(stock: Any) -> Any:
         @functools.wraps(stock)

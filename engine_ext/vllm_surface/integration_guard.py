@@ -1,0 +1,142 @@
+"""Proof, in the worker, that the hooks an opted-in request's answer depends on actually run.
+
+The patch table (``engine_ext/vllm_surface/patches.py``) proves a wrapper is *installed*; it cannot
+prove vLLM *calls* it. vLLM has more than one path through a step: its V2 model runner
+(``vllm/v1/worker/gpu/``, the CUDA default in 0.32) has no
+``GPUModelRunner._build_attention_metadata``, so span isolation
+(``engine_ext/attention/span_isolation.py``) would sit installed and unused while span hashing and
+the lookup past misses run in the EngineCore: cold finals computed in context, cached under
+span-local hashes, answers that depend on what ran before. A model whose attention layers got
+another backend (a loader that bypasses ``initialize_model``, a backend chosen by name) would store
+rotated keys and reuse them at new offsets: wrong answers, no error.
+
+So at every step that computes tokens of an opted-in request the worker checks, before the
+forward pass, and stops the engine with :class:`EngineIntegrationError` when any fails:
+
+1. **static, once per worker:** the running model runner's class builds attention metadata
+   through the wrapped ``GPUModelRunner._build_attention_metadata`` (not an override, not the V2
+   runner), and every decoder attention layer of the model has minipic's position-free impl with
+   its rotary module attached (``engine_ext/attention/unrotated_keys.py`` converted it);
+2. **dynamic, every such step:** the position-free metadata builder asks for span isolation
+   inside the isolation hook (``span_isolation.step_key_starts`` raises when it is called
+   outside the hook while an opted-in step is expected), and at least one such builder ran in
+   the step (a builder that never asks is a foreign backend).
+
+Plain requests are never checked: they are stock vLLM whatever the path. The entry is
+``Worker.execute_model``, the one call every runner (V1, V2, CPU) goes through with the step's
+``SchedulerOutput`` (a row of the patch table).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from engine_ext.vllm_surface.added_names import GUARD_ATTR
+from span_contract.errors import EngineIntegrationError
+from span_contract.span_config import spans_opted_in
+
+TARGET = "vllm.v1.worker.gpu_worker:Worker.execute_model"
+V1_RUNNER_HINT = ("vLLM's V2 model runner does not call it; minipic's launchers set "
+                  "VLLM_USE_V2_MODEL_RUNNER=0, set it yourself when starting vLLM another way")
+
+
+class StepGuard:
+    """Per-worker record of opted-in requests and of whether the static checks passed."""
+
+    def __init__(self) -> None:
+        self.opted: set[str] = set()
+        self.static_ok = False
+
+    def observe(self, scheduler_output: Any) -> bool:
+        """Track opted-in requests; True if this step computes tokens of one of them."""
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
+            if spans_opted_in(getattr(new, "sampling_params", None)):
+                self.opted.add(new.req_id)
+        for rid in getattr(scheduler_output, "finished_req_ids", ()):
+            self.opted.discard(rid)
+        if not self.opted:
+            return False
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        return any(scheduled.get(rid, 0) > 0 for rid in self.opted)
+
+    def check_static(self, worker: Any) -> None:
+        if self.static_ok:
+            return
+        problems = runner_problems(getattr(worker, "model_runner", None))
+        problems += layer_problems(worker.vllm_config)
+        if problems:
+            raise EngineIntegrationError(
+                "minipic cannot serve a span-opted-in request on this worker: the hooks its "
+                "answer depends on would not run (no silent stock fallback):\n  - "
+                + "\n  - ".join(problems))
+        self.static_ok = True
+
+
+def runner_problems(runner: Any) -> list[str]:
+    """Why this model runner would skip span isolation (empty: it goes through the hook)."""
+    from engine_ext.attention import span_isolation
+    from engine_ext.vllm_surface import patches
+
+    if runner is None:
+        return ["the worker has no model runner"]
+    method = getattr(type(runner), "_build_attention_metadata", None)
+    mark = f"rope:{span_isolation.TARGET}"
+    if method is None:
+        return [f"model runner {type(runner).__module__}.{type(runner).__name__} has no "
+                f"_build_attention_metadata, where span isolation learns each step's block "
+                f"starts ({V1_RUNNER_HINT})"]
+    if mark not in getattr(method, patches.MARK, ()):
+        return [f"model runner {type(runner).__name__} overrides _build_attention_metadata, "
+                f"so the span-isolation wrapper on GPUModelRunner never runs"]
+    return []
+
+
+def layer_problems(vllm_config: Any) -> list[str]:
+    """Decoder attention layers that would not read keys position-free (empty: all do)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backend import AttentionType
+
+    layers = vllm_config.compilation_config.static_forward_context
+    bad = []
+    for name, layer in layers.items():
+        if not isinstance(layer, Attention) or layer.attn_type != AttentionType.DECODER:
+            continue
+        impl = getattr(layer, "impl", None)
+        if not getattr(impl, "position_free_capable", False):
+            bad.append(f"{name}: attention impl {type(impl).__name__} is not minipic's "
+                       f"position-free backend")
+        elif getattr(impl, "minipic_rope", None) is None:
+            bad.append(f"{name}: keys are stored rotated (the model was not converted to "
+                       f"unrotated keys; see the 'keep stock rotated keys' warning)")
+    if bad:
+        return [f"{len(bad)} attention layer(s) not position-free, first: {bad[0]}"]
+    return []
+
+
+def install() -> None:
+    """Wrap ``Worker.execute_model`` (worker processes; idempotent; in the patch table)."""
+    from engine_ext.attention import span_isolation
+    from engine_ext.vllm_surface import patches
+
+    def factory(stock: Any) -> Any:
+        @functools.wraps(stock)
+        def execute_model(self: Any, scheduler_output: Any) -> Any:
+            guard: StepGuard | None = self.__dict__.get(GUARD_ATTR)
+            if guard is None:
+                guard = self.__dict__[GUARD_ATTR] = StepGuard()
+            if not guard.observe(scheduler_output):
+                return stock(self, scheduler_output)
+            guard.check_static(self)
+            with span_isolation.expect_isolated_step() as seen:
+                output = stock(self, scheduler_output)
+            if not seen.builds:
+                raise EngineIntegrationError(
+                    "minipic: a step computed span-opted-in tokens but no position-free "
+                    "attention metadata builder ran in it (a foreign attention backend); the "
+                    "engine stops before answering")
+            return output
+
+        return execute_model
+
+    patches.apply("rope", {TARGET: factory})

@@ -1,0 +1,195 @@
+"""Every cached span reused, only the holes computed, the same output whatever the cache holds.
+
+Real vLLM on CPU (fp32), fresh random token ids every run (``MINIPIC_TEST_SEED`` replays one),
+against the transformers block-mask reference of docs/design.md §2
+(``tests/support/pic_reference.py``):
+
+* spans [warm, cold, warm, cold, warm]: the warm ones are reused although cold spans precede
+  them (vLLM's own lookup stops at the first miss), cached tokens = the warm spans' tokens, and
+  the output equals the reference — the cold spans were computed *in isolation* inside the final;
+* determinism: the same final prompt (a) after its span prefills, (b) sent cold with no prefill,
+  (c) after the cache was reset between prefills and final, (d) in one batch with requests that
+  hold the same spans at other offsets — identical greedy tokens, all equal to the reference;
+* boundary_recompute: bodies reused after their recomputed heads, output = the two-pass reference
+  (bodies alone, heads and question in context over them);
+* tenants: a salted request never reuses a span cached under another salt, at any position;
+* opt-in: a request that did not ask for span semantics gets stock hashing and attention even
+  when its tokens contain SSEP/PDEP at block starts.
+
+Tolerance: max |delta logprob| over every returned top-k entry, 1e-4 (fp32 kernels vs
+transformers, different summation order; measured ~2e-6).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+from support.pic_reference import (
+    PicPrompt,
+    PicReference,
+    build_pic_prompt,
+    max_logprob_error,
+    random_ordinary_ids,
+    span_part_runs,
+)
+
+from span_contract.span_config import SPANS_OPT_IN_KEY
+
+pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_pic")]
+
+REFERENCE_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_ref(engines) -> Iterator[PicReference]:
+    yield PicReference(engines.get("tiny_pic").minipic_settings.model)
+
+
+def _params(max_tokens: int = 4, logprobs: int = 5, opt_in: bool = True):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
+                          extra_args={SPANS_OPT_IN_KEY: True} if opt_in else None)
+
+
+def _generate(llm, prompts: list[list[int]], params, salt: str | None = None) -> list:
+    from vllm.inputs import TokensPrompt
+
+    batch = []
+    for ids in prompts:
+        prompt = TokensPrompt(prompt_token_ids=list(ids))
+        if salt:
+            prompt["cache_salt"] = salt
+        batch.append(prompt)
+    return llm.generate(batch, params, use_tqdm=False)
+
+
+def _prefill(llm, spans: list[list[int]], salt: str | None = None) -> None:
+    _generate(llm, spans, _params(max_tokens=1, logprobs=0), salt)
+
+
+def _prompt(llm, rng: random.Random, vocab: int, lengths: list[int]) -> PicPrompt:
+    cfg = llm.minipic_settings.span_config
+    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
+    bodies = [random_ordinary_ids(rng, n, vocab, avoid) for n in lengths]
+    return build_pic_prompt(cfg, bodies, random_ordinary_ids(rng, 12, vocab, avoid))
+
+
+def _error(out, prompt: PicPrompt, ref: PicReference) -> float:
+    completion = out.outputs[0]
+    full = prompt.token_ids + list(completion.token_ids)
+    return max_logprob_error(completion, len(prompt.token_ids), ref.logprobs(full, prompt.spans))
+
+
+def test_warm_spans_after_cold_ones_are_reused_and_exact(engines, tiny_ref, seed) -> None:
+    llm = engines.get("tiny_pic")
+    rng = random.Random(seed)
+    prompt = _prompt(llm, rng, tiny_ref.vocab_size, [20, 45, 30, 50, 40])
+    warm = [0, 2, 4]
+    _prefill(llm, [prompt.span_prefills[i] for i in warm])
+    out = _generate(llm, [prompt.token_ids], _params())[0]
+    warm_tokens = sum(prompt.spans[i][1] - prompt.spans[i][0] for i in warm)
+    assert out.num_cached_tokens == warm_tokens == 128, f"seed={seed}"
+    err = _error(out, prompt, tiny_ref)
+    assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
+    # The holes were computed in isolation and cached under their span-local hashes: the same
+    # prompt now reuses every span, and still equals the reference.
+    again = _generate(llm, [prompt.token_ids], _params())[0]
+    assert again.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    assert _error(again, prompt, tiny_ref) < REFERENCE_TOL, f"seed={seed}"
+
+
+def test_same_output_whatever_the_cache_holds(engines, tiny_ref, seed) -> None:
+    llm = engines.get("tiny_pic")
+    rng = random.Random(seed)
+    vocab = tiny_ref.vocab_size
+    prompt = _prompt(llm, rng, vocab, [15, 40, 70, 33])
+    cfg = llm.minipic_settings.span_config
+    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
+    question = random_ordinary_ids(rng, 9, vocab, avoid)
+    bodies = [p[1:] for p in prompt.span_prefills]  # (padding included; harmless)
+    # The same spans at other offsets: reversed order, and behind an extra span.
+    other = build_pic_prompt(cfg, bodies[::-1], question)
+    extra = random_ordinary_ids(rng, 28, vocab, avoid)
+    shifted = build_pic_prompt(cfg, [extra, *bodies], question)
+
+    llm.reset_prefix_cache()
+    cold = _generate(llm, [prompt.token_ids], _params())[0]  # (b) no prefill at all
+    llm.reset_prefix_cache()
+    _prefill(llm, prompt.span_prefills)
+    warm = _generate(llm, [prompt.token_ids], _params())[0]  # (a) the documented flow
+    assert warm.num_cached_tokens == prompt.span_tokens
+    _prefill(llm, prompt.span_prefills)
+    llm.reset_prefix_cache()
+    evicted = _generate(llm, [prompt.token_ids], _params())[0]  # (c) lost between the two
+    assert evicted.num_cached_tokens == 0
+    llm.reset_prefix_cache()
+    batch = _generate(llm, [other.token_ids, prompt.token_ids, shifted.token_ids], _params())
+    concurrent = batch[1]  # (d) one batch, same spans at three offsets, nothing warm
+
+    results = {"cold": cold, "warm": warm, "evicted": evicted, "concurrent": concurrent}
+    for name, out in results.items():
+        assert out.outputs[0].token_ids == cold.outputs[0].token_ids, f"{name} (seed={seed})"
+        err = _error(out, prompt, tiny_ref)
+        assert err < REFERENCE_TOL, f"{name}: off the reference by {err:.2e} (seed={seed})"
+    for out, p in ((batch[0], other), (batch[2], shifted)):
+        assert _error(out, p, tiny_ref) < REFERENCE_TOL, f"seed={seed}"
+
+
+def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -> None:
+    from prompt_builder import PromptBuilder
+
+    llm = engines.get("tiny_pic")
+    cfg = llm.minipic_settings.span_config
+    builder = PromptBuilder.from_pretrained(None, block_size=cfg.block_size,
+                                            chat_template=False)
+    assert builder.span_config == cfg
+    rng = random.Random(seed)
+    words = "amber basalt cedar delta ember fjord granite harbor iris juniper kelp".split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(40, 90))) for _ in range(3)]
+    built = builder.build(system="Answer from the documents.", spans=docs,
+                          question="Which word comes first?", mode="boundary_recompute")
+    bodies = [(a, b) for a, b, part in span_part_runs(built) if part == "body"]
+    assert len(bodies) == 3 and built.leading_cached_tokens < built.expected_cached_tokens
+    _prefill(llm, built.span_prefills)
+    out = _generate(llm, [built.prompt_token_ids], _params())[0]
+    assert out.num_cached_tokens == built.expected_cached_tokens == built.reusable_tokens
+    assert out.num_cached_tokens == built.spans[0].end + sum(e - s for s, e in bodies)
+    # Two-pass reference: each body attends only within itself; heads, system and question
+    # attend to everything before them.
+    full = built.prompt_token_ids + list(out.outputs[0].token_ids)
+    ref = tiny_ref.logprobs(full, bodies)
+    err = max_logprob_error(out.outputs[0], len(built.prompt_token_ids), ref)
+    assert err < REFERENCE_TOL, f"off the two-pass reference by {err:.2e} (seed={seed})"
+
+
+def test_salted_request_never_hits_another_tenants_span(engines, tiny_ref, seed) -> None:
+    llm = engines.get("tiny_pic")
+    rng = random.Random(seed)
+    prompt = _prompt(llm, rng, tiny_ref.vocab_size, [20, 45, 30, 50])
+    # Tenant A warms spans 0, 2, 3: they sit after a cold span in the final prompt.
+    _prefill(llm, [prompt.span_prefills[i] for i in (0, 2, 3)], salt="tenant-a")
+    other = _generate(llm, [prompt.token_ids], _params(), salt="tenant-b")[0]
+    unsalted = _generate(llm, [prompt.token_ids], _params())[0]
+    assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0, f"seed={seed}"
+    own = _generate(llm, [prompt.token_ids], _params(), salt="tenant-a")[0]
+    warm = sum(prompt.spans[i][1] - prompt.spans[i][0] for i in (0, 2, 3))
+    assert own.num_cached_tokens == warm, f"seed={seed}"
+
+
+def test_request_without_opt_in_gets_stock_semantics(engines, tiny_ref, seed) -> None:
+    """SSEP/PDEP ids in a plain request change neither its hashes nor its attention."""
+    llm = engines.get("tiny_pic")
+    rng = random.Random(seed)
+    prompt = _prompt(llm, rng, tiny_ref.vocab_size, [20, 45, 30])
+    _prefill(llm, prompt.span_prefills)  # span-cached, as an SDK user would
+    plain = _generate(llm, [prompt.token_ids], _params(opt_in=False))[0]
+    # Stock chain: only the first block (offset 0, nothing before it) can match the span
+    # request's first block; the spans after it are not reused.
+    assert plain.num_cached_tokens == 32, f"seed={seed}"
+    full = prompt.token_ids + list(plain.outputs[0].token_ids)
+    err = max_logprob_error(plain.outputs[0], len(prompt.token_ids), tiny_ref.logprobs(full))
+    assert err < REFERENCE_TOL, f"plain request off the causal reference by {err:.2e}"

@@ -1,0 +1,116 @@
+"""The layout's arrows point down, and each package's public names are docs/api.md's.
+
+Layers (``docs/api.md``): the app ``minipic`` on top; ``serving`` (servers, the Ray Serve
+cluster, documents laid out server-side) and ``integrations`` (LangChain, LlamaIndex) over the
+SDK ``orchestrator``; ``engine_ext`` (vLLM plugin); ``prompt_builder``; the contract
+``span_contract``; pure math ``kernels`` and ``checkpoint_planner`` at the bottom.
+Every import statement of every module is read (function-level imports too), so a lazy import
+cannot hide an upward arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fast
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = ("minipic", "serving", "integrations", "orchestrator", "engine_ext", "prompt_builder",
+        "span_contract", "kernels", "checkpoint_planner")
+# package -> the packages of ours it may import
+ALLOWED = {
+    "minipic": set(OURS),
+    # the server side: one supervised server, or the Ray Serve cluster and its router (which
+    # hashes requests with the engine plugin's own hasher)
+    # documents on the standard routes lay prompts out and prefill spans with the SDK's own
+    # builder and scheduler (serving/documents), so the server side sits above both
+    "serving": {"engine_ext", "span_contract", "prompt_builder", "orchestrator"},
+    # framework glue beside the SDK: it uses the SDK, the SDK never imports it
+    "integrations": {"orchestrator", "prompt_builder", "span_contract"},
+    "orchestrator": {"prompt_builder", "span_contract"},
+    "engine_ext": {"span_contract", "kernels", "checkpoint_planner"},
+    "prompt_builder": {"span_contract"},
+    "span_contract": {"checkpoint_planner"},
+    "kernels": set(),
+    "checkpoint_planner": set(),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found & set(OURS)
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_no_import_points_up(package: str) -> None:
+    bad = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        up = _imports(path) - ALLOWED[package] - {package}
+        if up:
+            bad[str(path.relative_to(ROOT))] = sorted(up)
+    assert not bad, f"{package} imports packages above it: {bad}"
+
+
+def _readme_api() -> dict[str, set[str]]:
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    section = text.split("## Public API", 1)[1].split("\n## ", 1)[0]
+    table: dict[str, set[str]] = {}
+    for match in re.finditer(r"^\| `(\w+)` \| (.*) \|$", section, re.M):
+        table[match.group(1)] = set(re.findall(r"`(\w+)`", match.group(2)))
+    return table
+
+
+def test_public_names_are_the_documented_ones() -> None:
+    documented = _readme_api()
+    assert set(documented) == set(OURS)
+    for package in OURS:
+        exported = set(getattr(importlib.import_module(package), "__all__", ()))
+        assert exported == documented[package], (
+            f"{package}: exported but undocumented {sorted(exported - documented[package])}, "
+            f"documented but not exported {sorted(documented[package] - exported)}")
+
+
+def test_one_exception_tree() -> None:
+    """Every error class of every package derives from MinipicError, defined once."""
+    from span_contract.errors import MinipicError
+
+    for package in OURS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef) and node.name.endswith("Error"):
+                    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+                    cls = getattr(importlib.import_module(module), node.name)
+                    assert issubclass(cls, MinipicError), f"{module}.{node.name}"
+
+
+def test_every_minipic_variable_is_named_in_the_env_module() -> None:
+    """``span_contract/env.py`` is the one list of ``MINIPIC_*`` variables: no other module of
+    the packages, benchmarks, tools or tests spells one, and ``docs/env.md`` documents each."""
+    from span_contract import env
+
+    listed = {v.name for v in env.VARIABLES}
+    constants = {v for k, v in vars(env).items() if k.endswith("_ENV")}
+    assert listed == constants, f"constants without a row: {sorted(constants - listed)}"
+    spelled = {}
+    for folder in (*OURS, "benchmarks", "tools", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == ROOT / "span_contract" / "env.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
+                        r"MINIPIC_[A-Z0-9_]+", node.value):
+                    spelled.setdefault(node.value, []).append(str(path.relative_to(ROOT)))
+    assert not spelled, f"MINIPIC_* names spelled outside span_contract/env.py: {spelled}"
+    docs = (ROOT / "docs" / "env.md").read_text(encoding="utf-8")
+    assert not [name for name in listed if f"`{name}`" not in docs], "docs/env.md is missing some"

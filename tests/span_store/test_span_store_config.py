@@ -1,0 +1,217 @@
+"""Span store settings: flags -> config -> what vLLM is started with (no engine needed).
+
+``minipic serve --span-store DIR`` is the local disk tier; with ``--replicas N`` the same
+directory becomes the tier every replica shares (one local directory per replica would leave
+each replica warm only in its own spans). The weights digest in every key changes with the
+weights, so a store never serves KV of other weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from span_contract.env import CACHE_DIR_ENV
+from span_contract.span_store_config import CONNECTOR_MODULE, SpanStoreConfig, weights_digest
+
+pytestmark = pytest.mark.fast
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    from minipic.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_flags(tmp_path, monkeypatch) -> None:
+    from minipic.serve import span_store_config
+    from span_contract.span_store_config import DEFAULT_ENV
+
+    # the default: on, next to the models (the test session sets the variable to "off" so that
+    # the suite's servers keep their pools alone; a user's shell does not)
+    monkeypatch.delenv(DEFAULT_ENV, raising=False)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    default = span_store_config(_serve_args())
+    assert default is not None and default.dir == str(tmp_path / "cache" / "span-store")
+    assert default.shared_dir is None and (default.disk_gib, default.ram_mib) == (8.0, 256)
+    clustered = span_store_config(_serve_args("--replicas", "2"))  # one tier all replicas share
+    assert clustered.dir is None and clustered.shared_dir == default.dir
+    for off in (["--no-pic"], ["--features", "hash,rope"], ["--ckpt-budget", "4"]):
+        assert span_store_config(_serve_args(*off)) is None, off
+    assert span_store_config(_serve_args("--features", "hash,rope,holes")).dir == default.dir
+    monkeypatch.setenv(DEFAULT_ENV, str(tmp_path / "elsewhere"))
+    assert span_store_config(_serve_args()).dir == str(tmp_path / "elsewhere")
+    monkeypatch.setenv(DEFAULT_ENV, "off")
+    assert span_store_config(_serve_args()) is None
+    monkeypatch.delenv(DEFAULT_ENV)
+    assert span_store_config(_serve_args("--span-store", "off")) is None
+    local = span_store_config(_serve_args("--span-store", str(tmp_path), "--span-store-gib", "2"))
+    assert local.dir == str(tmp_path) and local.shared_dir is None and local.disk_gib == 2
+    shared = span_store_config(_serve_args("--span-store", str(tmp_path), "--replicas", "2"))
+    assert shared.dir is None and shared.shared_dir == str(tmp_path)
+    both = span_store_config(_serve_args("--span-store", "a", "--span-store-shared", "b"))
+    assert (both.dir, both.shared_dir) == ("a", "b")
+
+
+def test_engine_gets_the_connector(tmp_path) -> None:
+    from span_contract.engine_config import EngineSettings
+
+    settings = EngineSettings(model="tiny-llama", span_store=str(tmp_path / "s")).resolved()
+    store = settings.span_store
+    assert store is not None and os.path.isabs(store.dir) and len(store.weights_digest) == 32
+    config = settings.llm_kwargs()["kv_transfer_config"]
+    assert config["kv_connector_module_path"] == CONNECTOR_MODULE
+    assert config["kv_role"] == "kv_both"
+    assert SpanStoreConfig.from_extra_config(config["kv_connector_extra_config"]) == store
+    argv = settings.server_argv("127.0.0.1", 8000, "m")
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == config
+    with pytest.raises(ValueError, match="plugin"):
+        EngineSettings(model="tiny-llama", pic=False, span_store=str(tmp_path)).resolved()
+    assert "kv_transfer_config" not in EngineSettings(model="tiny-llama").resolved().llm_kwargs()
+    # vLLM reserves a core more for any KV connector; a store engine keeps stock's cores
+    assert settings.plugin_env().get("VLLM_CPU_NUM_OF_RESERVED_CPU") == os.environ.get(
+        "VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+
+def test_weights_digest_follows_the_weights(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": 1}')
+    (model / "model.safetensors").write_bytes(os.urandom(4096))
+    first = weights_digest(str(model))
+    assert weights_digest(str(model)) == first  # cached, same answer
+    (model / "model.safetensors").write_bytes(os.urandom(4096))  # other weights, same size
+    assert weights_digest(str(model)) != first
+
+
+def test_weights_digest_is_unknown_without_weights(tmp_path, monkeypatch) -> None:
+    """A name is not a digest: a hub id with no local snapshot, or a folder with no weight
+    files, gives "" (no store), never a hash of the name."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert weights_digest("some-org/not-downloaded-model") == ""
+    configs_only = tmp_path / "configs"
+    configs_only.mkdir()
+    (configs_only / "config.json").write_text("{}")
+    assert weights_digest(str(configs_only)) == ""
+
+
+def _vllm_config(**overrides):
+    """A real vLLM config for tiny-llama as minipic starts it (no engine is started)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from span_contract.engine_config import EngineSettings
+
+    settings = EngineSettings(model="tiny-llama").resolved()
+    kwargs = {**settings.llm_kwargs(), **overrides}
+    kwargs.pop("disable_log_stats", None)
+    return EngineArgs(**kwargs).create_engine_config(), settings.span_config
+
+
+def _with_model_fields(config, **fields):
+    """A copy of ``config`` whose model config differs in ``fields`` only (set as attributes:
+    vLLM would validate a revision against the hub, or fp8 against the CPU, on a fresh build)."""
+    model = config.model_config.__class__.__new__(config.model_config.__class__)
+    model.__dict__.update({**config.model_config.__dict__, **fields})
+    copy = config.__class__(**{**config.__dict__})
+    copy.model_config = model
+    return copy
+
+
+@pytest.fixture(scope="module")
+def base_config():
+    return _vllm_config()
+
+
+@pytest.mark.parametrize("change", ["weights", "revision", "hf_overrides", "quantization",
+                                    "dtype", "block_size", "engine_code", "span_config"])
+def test_every_input_of_the_kv_changes_the_fingerprint_and_the_keys(base_config, change,
+                                                                    tmp_path, monkeypatch,
+                                                                    seed) -> None:
+    """Changed one at a time, each input gives another fingerprint: entries the first
+    configuration stored are found by no key of the second, and read under the first's key they
+    are foreign (a miss). Everything else is held equal."""
+    import random
+
+    from vllm.v1.core import kv_cache_utils
+
+    import span_contract.engine_config as engine_config
+    from engine_ext.span_store.keys import entry_key
+    from engine_ext.span_store.tiers import DirTier, Entry
+    from span_contract.span_config import SpanConfig
+    from span_contract.span_store_config import config_fingerprint, fingerprint_facts
+
+    if getattr(kv_cache_utils, "NONE_HASH", None) is None:  # set at engine start otherwise
+        from vllm.utils.hashing import sha256_cbor
+
+        kv_cache_utils.init_none_hash(sha256_cbor)
+    config, span = base_config
+    digest = "a" * 32
+    first = config_fingerprint(config, digest, span)
+    facts = fingerprint_facts(config, digest, span)
+    other_config, other_digest, other_span = config, digest, span
+    if change == "weights":
+        other_digest = "b" * 32
+    elif change == "revision":
+        other_config = _with_model_fields(config, revision="v2")
+    elif change == "hf_overrides":
+        other_config, _ = _vllm_config(hf_overrides={"rope_theta": 20000.0})
+    elif change == "quantization":
+        other_config = _with_model_fields(config, quantization="fp8")
+    elif change == "dtype":
+        other_config, _ = _vllm_config(dtype="bfloat16")
+    elif change == "block_size":
+        other_config, _ = _vllm_config(block_size=64)
+        other_span = SpanConfig(**{**span.model_dump(), "block_size": 64})
+    elif change == "engine_code":
+        monkeypatch.setattr(engine_config, "plugin_code_hash", lambda: "0" * 16)
+    elif change == "span_config":
+        other_span = SpanConfig(**{**span.model_dump(), "pad_id": span.pad_id + 1})
+    other_facts = fingerprint_facts(other_config, other_digest, other_span)
+    changed = {k for k in facts if facts[k] != other_facts[k]}
+    assert changed, f"{change} is not among the fingerprint's inputs"
+    second = config_fingerprint(other_config, other_digest, other_span)
+    assert second != first
+    # the store: what the first stored, the second never finds, by key or by name
+    rng = random.Random(seed)
+    hashes = [rng.randbytes(32) for _ in range(6)]
+    writer = DirTier(tmp_path, 1 << 24, first)
+    for h in hashes:
+        assert writer.put(entry_key(first, h), Entry(rng.randbytes(64), {"home": 0}))
+    reader = DirTier(tmp_path, 1 << 24, second)
+    assert sum(reader.has(entry_key(second, h)) for h in hashes) == 0
+    assert all(reader.get(entry_key(first, h)) is None for h in hashes)
+    assert reader.stats()["foreign_skipped"] == len(hashes)
+
+
+def test_engine_code_hash_follows_the_code(tmp_path) -> None:
+    import shutil
+    from pathlib import Path
+
+    from span_contract.engine_config import code_hash
+
+    repo = Path(__file__).resolve().parents[2]
+    for package in ("engine_ext", "kernels"):
+        shutil.copytree(repo / package, tmp_path / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    before = code_hash(tmp_path)
+    target = tmp_path / "engine_ext" / "span_store" / "worker_side.py"
+    target.write_text(target.read_text() + "\n# an edit\n")
+    assert code_hash(tmp_path) != before
+
+
+def test_tensor_parallel_with_the_store_is_refused_with_a_clear_message(tmp_path) -> None:
+    from minipic.serve import _tensor_parallel
+    from span_contract.engine_config import EngineSettings
+
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineSettings(model="tiny-llama", span_store=str(tmp_path),
+                       extra={"tensor_parallel_size": 2}).resolved()
+    assert _tensor_parallel(["--tensor-parallel-size", "2"]) == 2
+    assert _tensor_parallel(["-tp=4", "--dtype", "float32"]) == 4
+    assert _tensor_parallel(["--dtype", "float32"]) == 1

@@ -1,0 +1,263 @@
+"""The span store's directory tier trusts no other local writer or reader
+(``engine_ext/span_store/tiers/files.py``), on real files, modes and processes:
+
+* entries and folders are private (0600 / 0700) whatever the umask; group access is explicit;
+* another user (``nobody``, a real second process) reads neither entries nor the secret;
+* entries forged without the store's secret, or copied from another store, are misses;
+* symlinks, FIFOs, folders and oversized files at an entry name are refused without blocking;
+* a secret others could read or replace means no store at all;
+* replicas started together agree on one secret;
+* fault injection (``benchmarks/store_faults.py``): every kind, only misses, 0 loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine_ext.span_store.tiers import DirTier, Entry, TieredStore
+from engine_ext.span_store.tiers.files import SECRET_NAME
+
+pytestmark = pytest.mark.fast
+
+REPO = Path(__file__).resolve().parents[2]
+FP = "trust|model=tiny|dtype=float32|bs=16"
+
+
+@pytest.fixture
+def rng(seed: int) -> random.Random:
+    print(f"seed={seed}")
+    return random.Random(seed)
+
+
+def key_for(rng: random.Random) -> str:
+    return rng.randbytes(32).hex()
+
+
+def entry_for(rng: random.Random, size: int = 4000) -> Entry:
+    return Entry(rng.randbytes(size), {"home": rng.randrange(4096)})
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@contextlib.contextmanager
+def umask(value: int) -> Iterator[None]:
+    old = os.umask(value)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A folder every user can traverse (``tmp_path`` sits under a 0700 folder of root's, which
+    would keep another user out whatever the store does)."""
+    path = Path(tempfile.mkdtemp(prefix="minipic-trust-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("group_access", "files", "folders", "mask"),
+                         [(False, 0o600, 0o700, 0o000), (True, 0o640, 0o750, 0o077)])
+def test_modes_are_the_tiers_whatever_the_umask(tmp_path, rng, group_access, files, folders,
+                                                mask):
+    root = tmp_path / "a" / "store"
+    with umask(mask):
+        tier = DirTier(root, 64 << 20, FP, group_access=group_access)
+        keys = [key_for(rng) for _ in range(5)]
+        for k in keys:
+            assert tier.put(k, entry_for(rng))
+    assert mode(root) == folders and mode(root.parent) == folders
+    assert mode(root / SECRET_NAME) == files
+    for k in keys:
+        assert mode(tier.entry_path(k)) == files and mode(tier.entry_path(k).parent) == folders
+
+
+def _as_nobody(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_another_user_reads_no_entry_and_no_secret(open_dir, rng):
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a second user")
+    tier = DirTier(open_dir / "store", 64 << 20, FP)
+    key = key_for(rng)
+    assert tier.put(key, entry_for(rng))
+    entry, secret = tier.entry_path(key), open_dir / "store" / SECRET_NAME
+    reads = "import sys\nfor p in sys.argv[1:]:\n    print(open(p, 'rb').read(1) and 'READ')"
+
+    def nobody_reads(*paths: Path) -> subprocess.CompletedProcess:
+        return _as_nobody(reads.replace("sys.argv[1:]", repr([str(p) for p in paths])))
+
+    # as created, the store folder alone keeps others out
+    assert "PermissionError" in nobody_reads(entry).stderr
+    # a looser folder (a shared parent made 0755 by hand) still leaves files and secret private
+    for folder in (open_dir / "store", entry.parent):
+        folder.chmod(0o755)
+    for path in (entry, secret):
+        res = nobody_reads(path)
+        assert res.returncode != 0 and "PermissionError" in res.stderr, res
+    # the check can fail: a file of the default 0644 in the same folder is readable to nobody
+    leaked = entry.parent / "leaked"
+    leaked.write_bytes(b"x")
+    leaked.chmod(0o644)
+    assert nobody_reads(leaked).stdout.strip() == "READ"
+
+
+def test_entries_forged_or_from_another_store_are_removed_misses(tmp_path, rng):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from store_faults import _forge
+
+    tier = DirTier(tmp_path / "store", 64 << 20, FP)
+    other = DirTier(tmp_path / "other", 64 << 20, FP)
+    store = TieredStore(None, [tier])
+    for forged in ("unkeyed", "other secret", "other store"):
+        key, entry = key_for(rng), entry_for(rng)
+        path = tier.entry_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if forged == "other store":
+            assert other.put(key, entry)
+            shutil.copyfile(other.entry_path(key), path)
+        else:
+            path.write_bytes(_forge(key, entry, None if forged == "unkeyed" else os.urandom(32),
+                                    FP))
+        assert tier.has(key)  # a name is there...
+        assert store.get(key) is None and not path.exists(), forged  # ...but never our KV
+    assert tier.stats()["corrupt_removed"] == 3 and tier.stats()["hits"] == 0
+    # the secret is what makes the difference: with it, the same bytes verify
+    key, entry = key_for(rng), entry_for(rng)
+    secret = (tmp_path / "store" / SECRET_NAME).read_bytes()
+    tier.entry_path(key).parent.mkdir(parents=True, exist_ok=True)
+    tier.entry_path(key).write_bytes(_forge(key, entry, secret, FP))
+    assert tier.get(key) == entry
+
+
+def test_symlinks_fifos_folders_and_oversized_files_are_refused(tmp_path, rng):
+    tier = DirTier(tmp_path / "store", 1 << 20, FP)
+    store = TieredStore(None, [tier])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cases = {}
+    for kind in ("symlink", "fifo", "folder", "oversized", "dev_null"):
+        key, entry = key_for(rng), entry_for(rng)
+        assert tier.put(key, entry)
+        path = tier.entry_path(key)
+        valid = path.read_bytes()
+        path.unlink()
+        if kind == "symlink":  # this very entry, valid, kept outside: following it would load
+            (outside / path.name).write_bytes(valid)
+            path.symlink_to(outside / path.name)
+        elif kind == "fifo":
+            os.mkfifo(path, 0o600)
+        elif kind == "folder":
+            path.mkdir()
+        elif kind == "oversized":
+            with path.open("wb") as fh:
+                fh.truncate((1 << 20) + 1)
+        else:
+            path.symlink_to("/dev/null")
+        cases[kind] = key
+    for kind, key in cases.items():
+        got: list[object] = []
+        reader = threading.Thread(target=lambda k=key, out=got: out.append(store.get(k)),
+                                  daemon=True)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), f"a {kind} at an entry name blocked the read"
+        assert got == [None], kind
+        if kind != "folder":
+            assert not os.path.lexists(tier.entry_path(key)), f"the {kind} was left in place"
+    assert (outside / tier.entry_path(cases["symlink"]).name).exists()  # target untouched
+    # a shard folder replaced by a symlink to a folder of valid entries: neither read nor written
+    key, entry = key_for(rng), entry_for(rng)
+    assert tier.put(key, entry)
+    shard = tier.entry_path(key).parent
+    shutil.move(shard, outside / "shard")
+    shard.symlink_to(outside / "shard")
+    assert tier.get(key) is None
+    other = key[:2] + key_for(rng)[2:]
+    assert not tier.put(other, entry) and not (outside / "shard" / f"{other}.kvb").exists()
+    assert tier.writes_enabled  # one refused write, not a full disk: writing goes on
+
+
+@pytest.mark.parametrize("problem", ["world readable", "group writable", "wrong size",
+                                     "symlink", "unreadable folder"])
+def test_a_secret_others_could_know_means_no_store(tmp_path, rng, problem):
+    root = tmp_path / "store"
+    first = DirTier(root, 64 << 20, FP)
+    key, entry = key_for(rng), entry_for(rng)
+    assert first.put(key, entry)
+    secret = root / SECRET_NAME
+    if problem == "world readable":
+        secret.chmod(0o644)
+    elif problem == "group writable":
+        secret.chmod(0o620)
+    elif problem == "wrong size":
+        secret.write_bytes(secret.read_bytes() + b"!")
+    elif problem == "symlink":
+        (tmp_path / "elsewhere").write_bytes(secret.read_bytes())
+        secret.unlink()
+        secret.symlink_to(tmp_path / "elsewhere")
+    else:
+        secret.unlink()
+        secret.mkdir()
+    again = DirTier(root, 64 << 20, FP)
+    assert not again.usable and again.get(key) is None and not again.has(key)
+    assert not again.put(key_for(rng), entry) and again.stats()["usable"] is False
+
+
+def test_replicas_started_together_agree_on_one_secret(tmp_path, seed):
+    """Eight processes open a fresh store at once; each writes an entry; each reads all."""
+    code = (
+        "import sys, time, random\n"
+        "from engine_ext.span_store.tiers import DirTier, Entry\n"
+        "root, me, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])\n"
+        "while time.time() < start: pass\n"
+        "tier = DirTier(root, 1 << 26, 'fp')\n"
+        f"key = lambda i: random.Random({seed} + i).randbytes(32).hex()\n"
+        "assert tier.put(key(me), Entry(b'%d' % me * 100, {'me': me}))\n"
+        "deadline = time.time() + 20\n"
+        "while not all(tier.has(key(i)) for i in range(8)) and time.time() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "print(sum(tier.get(key(i)) is not None for i in range(8)))\n")
+    import time
+
+    start = time.time() + 3
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "s"), str(i),
+                               str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for i in range(8)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+    assert [o[0].strip() for o in outs] == ["8"] * 8
+    assert not list((tmp_path / "s").glob(".store-key.tmp*"))
+
+
+def test_fault_injection_gives_only_misses(tmp_path, seed):
+    """A slice of ``benchmarks/store_faults.py`` (the closing note's 10,000 cases)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from store_faults import KINDS, run
+
+    result = run(cases=40 * len(KINDS), seed=seed, work=tmp_path, progress=False)
+    assert result["loaded"] == 0, result
+    for kind in KINDS:
+        row = result["kinds"][kind]
+        assert row["cases"] == 40 and row["misses"] == 40 and row["loaded"] == 0, (kind, row)
+    assert result["tier"]["hits"] == result["cases"]  # the control entry, after every case

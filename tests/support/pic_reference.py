@@ -1,0 +1,135 @@
+"""Reference for PIC prompts: one transformers forward pass with a block-structured mask.
+
+docs/design.md §2 defines what a PIC prompt means: a span's tokens (from its SSEP to the end
+of its padding) attend only within their span, every other token attends causally to everything
+before it, and positions are the global ones. Because RoPE is relative, computing a span at
+offset 0 (its span prefill) and reading its keys at offset ``o`` equals computing it at ``o``
+under this mask -- so this single forward pass is what the engine must reproduce, whatever it
+reused from the cache. Nothing here shares code with vLLM or minipic's engine side.
+
+Also builds PIC prompts from SpanConfig ids (SSEP at each span start, PAD to the block size,
+PDEP before the question) and draws fresh random ordinary token ids.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from span_contract.span_config import SpanConfig
+
+
+@dataclass
+class PicPrompt:
+    """Token ids of a final prompt, where its spans are, and each span's own prefill."""
+
+    token_ids: list[int]
+    spans: list[tuple[int, int]]  # [start, end) of each span: SSEP .. end of its padding
+    span_prefills: list[list[int]] = field(default_factory=list)
+
+    @property
+    def span_tokens(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+
+def pad_span(config: SpanConfig, body: Sequence[int]) -> list[int]:
+    """``[SSEP] + body + PAD...`` up to a multiple of the block size."""
+    span = [config.ssep_id, *body]
+    span += [config.pad_id] * (-len(span) % config.block_size)
+    return span
+
+
+def build_pic_prompt(config: SpanConfig, span_bodies: Sequence[Sequence[int]],
+                     question: Sequence[int]) -> PicPrompt:
+    """``[span 0][span 1]... [PDEP + question]``; span 0 plays the system prompt."""
+    ids: list[int] = []
+    spans, prefills = [], []
+    for body in span_bodies:
+        span = pad_span(config, body)
+        spans.append((len(ids), len(ids) + len(span)))
+        prefills.append(span)
+        ids += span
+    ids += [config.pdep_id, *question]
+    return PicPrompt(token_ids=ids, spans=spans, span_prefills=prefills)
+
+
+def random_ordinary_ids(rng: random.Random, n: int, vocab_size: int,
+                        avoid: Sequence[int], low: int = 17) -> list[int]:
+    """``n`` ids from the ordinary vocabulary (``>= low``, never one of ``avoid``)."""
+    banned = set(avoid)
+    out: list[int] = []
+    while len(out) < n:
+        tid = rng.randrange(low, vocab_size)
+        if tid not in banned:
+            out.append(tid)
+    return out
+
+
+def block_attention_allowed(length: int, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``allowed[q, k]``: causal, except that a span's tokens see only their own span."""
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    for start, end in spans:
+        allowed[start:end, :start] = False
+    return allowed
+
+
+class PicReference:
+    """fp32 transformers model from the engine's own model folder."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        self.vocab_size = self.model.config.vocab_size
+
+    @torch.inference_mode()
+    def logprobs(self, token_ids: Sequence[int],
+                 spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """``[len, vocab]`` log-softmax of the next-token logits at every position.
+
+        ``spans=()`` gives the plain causal model (what stock vLLM computes for any prompt).
+        """
+        length = len(token_ids)
+        allowed = block_attention_allowed(length, spans)
+        mask = torch.zeros(1, 1, length, length, dtype=torch.float32)
+        mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        out = self.model(
+            input_ids=torch.tensor([list(token_ids)]),
+            attention_mask=mask,
+            position_ids=torch.arange(length).unsqueeze(0),
+            use_cache=False,
+        )
+        return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def max_logprob_error(completion: object, prompt_len: int, ref: torch.Tensor) -> float:
+    """Largest |engine - reference| over every logprob the engine returned.
+
+    ``completion`` is a vLLM ``CompletionOutput`` with ``logprobs``; ``ref`` the reference
+    log-probabilities of ``prompt + completion.token_ids`` (teacher forcing on the engine's
+    own tokens, so near-ties in greedy choice cannot make the comparison fail).
+    """
+    worst = 0.0
+    for step, entries in enumerate(completion.logprobs):  # type: ignore[attr-defined]
+        row = ref[prompt_len - 1 + step]
+        for token_id, lp in entries.items():
+            worst = max(worst, abs(lp.logprob - float(row[token_id])))
+    return worst
+
+
+def span_part_runs(built: object) -> list[tuple[int, int, str]]:
+    """``(start, end, part)`` of each span part (head / body / whole) of a ``PromptBuilder``
+    build, the padding after it included (it is isolated with it)."""
+    runs: list[list] = []
+    for seg in built.segments:  # type: ignore[attr-defined]
+        part = getattr(seg, "part", None)
+        if seg.kind == "span" and part in ("head", "body", "whole"):
+            runs.append([seg.start, seg.end, part])
+        elif seg.kind == "pad" and runs and runs[-1][1] == seg.start:
+            runs[-1][1] = seg.end
+    return [(a, b, p) for a, b, p in runs]
