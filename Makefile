@@ -19,8 +19,7 @@ SETUPTOOLS_PIN := $(if $(filter cpu,$(ENGINE)),78.1.1,)
 PYTEST_ARGS ?= --durations=30
 # `make test` runs this many lanes of whole modules side by side, one xdist worker each
 # (tests/support/lanes.py); each lane starts its own shared engines (~3 GiB each, at most 3 up
-# per lane),
-# so more lanes than cores or than memory allows only slows the run. 1: one process, no xdist.
+# per lane), so more lanes than cores or than memory allows only slows the run. 1: one process, no xdist.
 TEST_LANES ?= 2
 LANE_ARGS := $(if $(filter-out 1,$(TEST_LANES)),-n $(TEST_LANES),)
 
