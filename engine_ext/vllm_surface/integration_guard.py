@@ -86,7 +86,7 @@ def runner_problems(runner: Any) -> list[str]:
         return [f"model runner {type(runner).__module__}.{type(runner).__name__} has no "
                 f"_build_attention_metadata, where span isolation learns each step's block "
                 f"starts ({V1_RUNNER_HINT})"]
-    if mark not in getattr(method, patches.MARK, ()):
+    if mark not in getattr(method, patches.PATCH_MARK_ATTR, ()):
         return [f"model runner {type(runner).__name__} overrides _build_attention_metadata, "
                 f"so the span-isolation wrapper on GPUModelRunner never runs"]
     return []

@@ -13,12 +13,12 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.source_scan import spelled_constants
 
 from span_contract.span_config import SpanConfig
 
@@ -95,14 +95,9 @@ def test_every_minipic_attribute_on_vllm_objects_is_named_in_one_module() -> Non
 
     names = set(added_names.ALL.values())
     assert len(names) == len(added_names.ALL), "two constants name one attribute"
-    spelled: dict[str, list[str]] = {}
-    for path in _python_files(ENGINE_EXT) + _python_files(ROOT / "serving"):
-        if path.name == "added_names.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
-                    r"_minipic_\w+", node.value):
-                spelled.setdefault(node.value, []).append(str(path.relative_to(ROOT)))
+    paths = [p for p in _python_files(ENGINE_EXT) + _python_files(ROOT / "serving")
+             if p.name != "added_names.py"]
+    spelled = spelled_constants(paths, r"_minipic_\w+", ROOT)
     assert not spelled, f"attribute names spelled outside added_names: {spelled}"
 
 

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+from support.source_scan import spelled_constants
 
 pytestmark = pytest.mark.fast
 
@@ -102,15 +103,10 @@ def test_every_minipic_variable_is_named_in_the_env_module() -> None:
     listed = {v.name for v in env.VARIABLES}
     constants = {v for k, v in vars(env).items() if k.endswith("_ENV")}
     assert listed == constants, f"constants without a row: {sorted(constants - listed)}"
-    spelled = {}
-    for folder in (*OURS, "benchmarks", "tools", "tests"):
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == ROOT / "span_contract" / "env.py":
-                continue
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
-                        r"MINIPIC_[A-Z0-9_]+", node.value):
-                    spelled.setdefault(node.value, []).append(str(path.relative_to(ROOT)))
+    paths = [path for folder in (*OURS, "benchmarks", "tools", "tests")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             if path != ROOT / "span_contract" / "env.py"]
+    spelled = spelled_constants(paths, r"MINIPIC_[A-Z0-9_]+", ROOT)
     assert not spelled, f"MINIPIC_* names spelled outside span_contract/env.py: {spelled}"
     docs = (ROOT / "docs" / "env.md").read_text(encoding="utf-8")
     assert not [name for name in listed if f"`{name}`" not in docs], "docs/env.md is missing some"
