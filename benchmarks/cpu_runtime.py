@@ -26,9 +26,7 @@ Output: ``results/cpu_runtime.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -37,7 +35,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pic_overhead import WORKLOADS, _prompts, _run  # noqa: E402  (same harness, same numbers)
+from pic_overhead import (  # noqa: E402  (same harness, same numbers)
+    WORKLOADS,
+    _combined,
+    _harness_args,
+    _prompts,
+    _ratio_line,
+    _report_header,
+    _run,
+    _write_report,
+)
 
 ENGINES = (("stock", False, False), ("stock", False, True),
            ("minipic", True, True), ("minipic", True, False))  # (kind, pic, preload)
@@ -139,43 +146,20 @@ def _round(round_idx: int, reps: int, seed: int, max_model_len: int) -> dict[str
 
 def _combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Geometric mean over rounds of each round's on/off ratios."""
-    combined: dict[str, Any] = {}
-    for name in WORKLOADS:
-        combined[name] = {}
-        for kind in ("stock", "minipic"):
-            entry: dict[str, Any] = {}
-            for metric in ("wall", "engine_cpu"):
-                for stat in ("median_paired_ratio", "ratio_of_mins"):
-                    entry[f"{metric}_{stat}"] = statistics.geometric_mean(
-                        [r[name][kind][metric][stat] for r in rounds])
-            entry["greedy_tokens_identical"] = all(
-                r[name][kind]["greedy_tokens_identical"] for r in rounds)
-            combined[name][kind] = entry
-    return combined
+    return {name: {kind: _combined([r[name][kind] for r in rounds])
+                   for kind in ("stock", "minipic")}
+            for name in WORKLOADS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=5, help="timed reps per round")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds of four engines (odd rounds reverse the start order)")
-    parser.add_argument("--seed", type=int, default=None, help="default: fresh")
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--out", default="results/cpu_runtime.json")
-    args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    args, seed = _harness_args(
+        parser, rounds=1, rounds_help="rounds of four engines (odd rounds reverse the start order)",
+        out="results/cpu_runtime.json")
     from span_contract.cpu_runtime import preload_env
 
     report: dict[str, Any] = {
-        "model": "SmolLM2-135M-Instruct (minipic default), fp32, enforce_eager, block 32",
-        "workloads": WORKLOADS,
-        "seed": seed,
-        "reps_per_round": args.reps,
-        "rounds": args.rounds,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        **_report_header(args, seed),
         "preload_on": preload_env({}).get("LD_PRELOAD", ""),
         "ratio": "preload on / off: < 1 means the preload is faster",
         "load_average_start": os.getloadavg(),
@@ -187,17 +171,11 @@ def main() -> None:
     report["load_average_end"] = os.getloadavg()
     report["elapsed_s"] = time.perf_counter() - started
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\npreload on / off (< 1: faster with tcmalloc + Intel OpenMP), seed {seed}, "
-          f"{args.rounds} round(s) x {args.reps} reps, load average "
-          f"{report['load_average_start'][0]:.1f} -> {report['load_average_end'][0]:.1f}:")
+    out = _write_report(report, args, "preload on / off (< 1: faster with tcmalloc + Intel "
+                        "OpenMP)", "round(s)")
     for name, kinds in report["combined_ratio"].items():
         for kind, c in kinds.items():
-            print(f"  {name:8s} {kind:8s} median paired: wall {c['wall_median_paired_ratio']:.3f}"
-                  f" cpu {c['engine_cpu_median_paired_ratio']:.3f} | ratio of mins: wall "
-                  f"{c['wall_ratio_of_mins']:.3f} cpu {c['engine_cpu_ratio_of_mins']:.3f} | "
+            print(f"  {name:8s} {kind:8s} {_ratio_line(c)} | "
                   f"greedy tokens identical: {c['greedy_tokens_identical']}")
     print(f"wrote {out} ({report['elapsed_s']:.0f} s)")
 

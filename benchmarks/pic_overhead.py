@@ -188,37 +188,33 @@ def _round(path: str, round_idx: int, reps: int, seed: int, max_model_len: int,
 def _combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Geometric mean over rounds of each round's ratios: a constant advantage of whichever
     engine was started first (measured with ``--paths stock``) cancels out."""
-    combined: dict[str, Any] = {}
-    for name in WORKLOADS:
-        combined[name] = {}
-        for metric in ("wall", "engine_cpu"):
-            for stat in ("median_paired_ratio", "ratio_of_mins"):
-                ratios = [r[name][metric][stat] for r in rounds]
-                combined[name][f"{metric}_{stat}"] = statistics.geometric_mean(ratios)
-        combined[name]["greedy_tokens_identical"] = all(
-            r[name]["greedy_tokens_identical"] for r in rounds
-        )
-    return combined
+    return {name: _combined([r[name] for r in rounds]) for name in WORKLOADS}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--paths", nargs="+", default=["auto"],
-                        choices=["auto", "scratch", "torch", "stock"],
-                        help="MINIPIC_CPU_ATTN paths to compare with stock (default: auto); "
-                             "'stock' starts a second stock engine: an A/A calibration of the "
-                             "harness on this machine")
+# What the comparisons on this harness share (``cpu_runtime.py`` imports them too): options,
+# the report's first fields, the combination of rounds and the printed ratios.
+
+
+def _harness_args(parser: argparse.ArgumentParser, *, rounds: int, rounds_help: str,
+                  out: str) -> tuple[argparse.Namespace, int]:
+    """Add the harness's options (``--reps``, ``--rounds``, ``--seed``, ``--max-model-len``,
+    ``--out``) after the caller's own, parse, and return the arguments and the seed (``--seed``
+    or a fresh one). Each engine gets 1 GiB of KV cache unless ``VLLM_CPU_KVCACHE_SPACE`` is
+    set: a round keeps several engines alive at once."""
     parser.add_argument("--reps", type=int, default=5, help="timed reps per round")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="engine pairs per path, alternating which one starts first")
+    parser.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
     parser.add_argument("--seed", type=int, default=None, help="default: fresh")
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--out", default="results/pic_overhead.json")
+    parser.add_argument("--out", default=out)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    return args, seed
 
-    report: dict[str, Any] = {
+
+def _report_header(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """A report's first fields: what ran (model, workloads, seed, reps, rounds) and where."""
+    return {
         "model": "SmolLM2-135M-Instruct (minipic default), fp32, enforce_eager, block 32",
         "workloads": WORKLOADS,
         "seed": seed,
@@ -229,6 +225,54 @@ def main() -> None:
         # vLLM pins each CPU worker to cores; on a shared host, pinning both engines to the
         # least busy core (e.g. VLLM_CPU_OMP_THREADS_BIND=1) reduces noise.
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+    }
+
+
+def _combined(per_round: list[dict[str, Any]]) -> dict[str, Any]:
+    """One comparison over rounds: the geometric mean of each ratio (wall and engine CPU time;
+    median paired ratio and ratio of mins), and whether every round's greedy tokens agreed."""
+    combined: dict[str, Any] = {}
+    for metric in ("wall", "engine_cpu"):
+        for stat in ("median_paired_ratio", "ratio_of_mins"):
+            ratios = [r[metric][stat] for r in per_round]
+            combined[f"{metric}_{stat}"] = statistics.geometric_mean(ratios)
+    combined["greedy_tokens_identical"] = all(r["greedy_tokens_identical"] for r in per_round)
+    return combined
+
+
+def _write_report(report: dict[str, Any], args: argparse.Namespace, title: str,
+                  rounds: str) -> Path:
+    """Write ``report`` to ``--out`` and print the summary's first line: ``title``, seed,
+    ``<n> <rounds> x <reps> reps`` and the load average at start and end."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{title}, seed {report['seed']}, {args.rounds} {rounds} x {args.reps} reps, "
+          f"load average {report['load_average_start'][0]:.1f} -> "
+          f"{report['load_average_end'][0]:.1f}:")
+    return out
+
+
+def _ratio_line(c: dict[str, Any]) -> str:
+    """A ``_combined`` entry's four ratios, as the summaries print them."""
+    return (f"median paired: wall {c['wall_median_paired_ratio']:.3f} cpu "
+            f"{c['engine_cpu_median_paired_ratio']:.3f} | ratio of mins: wall "
+            f"{c['wall_ratio_of_mins']:.3f} cpu {c['engine_cpu_ratio_of_mins']:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--paths", nargs="+", default=["auto"],
+                        choices=["auto", "scratch", "torch", "stock"],
+                        help="MINIPIC_CPU_ATTN paths to compare with stock (default: auto); "
+                             "'stock' starts a second stock engine: an A/A calibration of the "
+                             "harness on this machine")
+    args, seed = _harness_args(
+        parser, rounds=2, rounds_help="engine pairs per path, alternating which one starts first",
+        out="results/pic_overhead.json")
+
+    report: dict[str, Any] = {
+        **_report_header(args, seed),
         "load_average_start": os.getloadavg(),
         "paths": {},
     }
@@ -241,12 +285,8 @@ def main() -> None:
         report["paths"][path] = {"rounds": rounds, "combined_ratio": _combine(rounds)}
     report["load_average_end"] = os.getloadavg()
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nPIC-off cost vs stock CPU_ATTN (minipic / stock; target <= 1.05), seed {seed}, "
-          f"{args.rounds} rounds x {args.reps} reps, load average "
-          f"{report['load_average_start'][0]:.1f} -> {report['load_average_end'][0]:.1f}:")
+    out = _write_report(report, args, "PIC-off cost vs stock CPU_ATTN (minipic / stock; "
+                        "target <= 1.05)", "rounds")
     for path, res in report["paths"].items():
         for name in WORKLOADS:
             per_round = ", ".join(
@@ -254,10 +294,8 @@ def main() -> None:
                 for r in res["rounds"]
             )
             c = res["combined_ratio"][name]
-            print(f"  {path:8s} {name:8s} median paired: wall {c['wall_median_paired_ratio']:.3f}"
-                  f" cpu {c['engine_cpu_median_paired_ratio']:.3f} | ratio of mins: wall "
-                  f"{c['wall_ratio_of_mins']:.3f} cpu {c['engine_cpu_ratio_of_mins']:.3f} | "
-                  f"{per_round} | greedy tokens identical: {c['greedy_tokens_identical']}")
+            print(f"  {path:8s} {name:8s} {_ratio_line(c)} | {per_round} | "
+                  f"greedy tokens identical: {c['greedy_tokens_identical']}")
     print(f"wrote {out}")
 
 

@@ -521,19 +521,23 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     budgets = report["meta"]["budgets"]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    base = s["block_attention"]["kl"]["mean"]
+    xs = [0.0, *budgets] if 0 not in budgets else budgets
     for i, name in enumerate(report["meta"]["signals"]):
         for gran, style in zip(GRANULARITIES, ("-", "--"), strict=True):
             ys = [s[f"{name}|{gran}|{b:g}"]["kl"]["mean"] for b in budgets]
-            ax.plot(budgets, ys, style, marker="o", color=colors[i % len(colors)],
+            ys = [base, *ys] if len(xs) > len(budgets) else ys  # budget 0 = block_attention
+            ax.plot(xs, ys, style, marker="o", ms=3, color=colors[i % len(colors)],
                     label=f"{name} ({gran})")
-    ax.axhline(s["block_attention"]["kl"]["mean"], color="black", lw=1,
+    ax.axhline(base, color="black", lw=1,
                label="block_attention (nothing recomputed)")
     ax.axhline(s["layout_full"]["kl"]["mean"], color="gray", lw=1, ls=":",
                label="everything recomputed (layout_full)")
     ax.set_xlabel("budget (share of span content tokens recomputed)")
     ax.set_ylabel("mean KL(full || selective) per answer token")
     ax.set_title(f"Selective recompute signals, n = {report['meta']['n']}")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_xlim(left=0)
+    ax.legend(fontsize=7, ncol=2, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

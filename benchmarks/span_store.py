@@ -46,6 +46,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from _provenance import git_state
+
 T0 = time.monotonic()
 # VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (--reserved-cpus): vLLM reserves one more core
 # for the EngineCore whenever a KV connector is configured (meant for NIXL), so without this a
@@ -515,15 +517,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def _commit() -> str | None:
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "engine_ext", "span_contract"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+    state = git_state("engine_ext", "span_contract")
+    if state is None:
         return None
+    head, dirty = state
     return head + ("+dirty engine code" if dirty else "")
 
 

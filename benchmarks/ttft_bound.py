@@ -34,13 +34,14 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from _provenance import git_state
 
 # system block + question block + generated token, kept out of the span budget of a size
 RESERVE_TOKENS = 96
@@ -66,13 +67,10 @@ class Progress:
 
 def _tree_state() -> str:
     """Which code was measured: the commit, and whether engine files had local changes."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "engine_ext", "kernels"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+    state = git_state("engine_ext", "kernels")
+    if state is None:
         return "unknown (not a git checkout)"
+    head, dirty = state
     return f"{head}" + (" + local changes in engine_ext/kernels" if dirty else "")
 
 

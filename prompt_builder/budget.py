@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from prompt_builder.counting import as_token_counter, truncate_text
-from prompt_builder.errors import InvalidInputError, PromptTooLongError
+from prompt_builder.errors import InvalidInputError, PromptTooLongError, coerce_choice
 
 
 class BudgetPolicy(StrEnum):
@@ -40,12 +40,7 @@ class BudgetPolicy(StrEnum):
 
 
 def coerce_policy(policy: object) -> BudgetPolicy:
-    try:
-        return BudgetPolicy(policy)
-    except ValueError:
-        raise InvalidInputError(
-            f"unknown budget policy {policy!r}; known: {', '.join(p.value for p in BudgetPolicy)}"
-        ) from None
+    return coerce_choice(BudgetPolicy, policy, "budget policy")
 
 
 class DroppedSpan(BaseModel):

@@ -6,6 +6,9 @@ or this configuration cannot make a correct span-aware prompt", never "try again
 
 from __future__ import annotations
 
+from enum import StrEnum
+from typing import TypeVar
+
 from span_contract.errors import ConfigMismatchError, PromptBuildError, SpanTooLongError
 from span_contract.special_tokens import NoSpanTokensError
 
@@ -58,3 +61,18 @@ class ChatTemplateError(PromptBuildError):
 
 class PromptTooLongError(PromptBuildError):
     """The prompt does not fit in ``max_model_len`` and the budget policy may not shrink it."""
+
+
+Choice = TypeVar("Choice", bound=StrEnum)
+
+
+def coerce_choice(choices: type[Choice], value: object, what: str) -> Choice:
+    """``value`` as a member of ``choices`` (the member or its string), else an
+    ``InvalidInputError`` naming ``what`` and the known values: the one check behind
+    ``coerce_mode`` and ``coerce_policy``."""
+    try:
+        return choices(value)
+    except ValueError:
+        raise InvalidInputError(
+            f"unknown {what} {value!r}; known: {', '.join(c.value for c in choices)}"
+        ) from None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
 
-from prompt_builder.errors import InvalidInputError
+from prompt_builder.errors import InvalidInputError, coerce_choice
 from prompt_builder.layout import LayoutWriter, padded
 from prompt_builder.spans import PreparedSpan
 from span_contract.span_config import SpanConfig
@@ -35,12 +35,7 @@ class Mode(StrEnum):
 
 
 def coerce_mode(mode: object) -> Mode:
-    try:
-        return Mode(mode)
-    except ValueError:
-        raise InvalidInputError(
-            f"unknown mode {mode!r}; known: {', '.join(m.value for m in Mode)}"
-        ) from None
+    return coerce_choice(Mode, mode, "mode")
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,8 @@ layout (nothing here imports the app, the client or the engine extension).
 * ``errors`` — the one exception tree users catch by kind.
 """
 
-from span_contract.errors import (
-    BadInputError,
-    CacheMismatchError,
-    ConfigMismatchError,
-    EngineError,
-    EngineIntegrationError,
-    EngineUnreachableError,
-    MinipicError,
-    PromptBuildError,
-    RequestTimeoutError,
-    SpanTooLongError,
-    UnavailableError,
-)
+from span_contract import errors
+from span_contract.errors import *  # noqa: F403  (the exception tree: errors.__all__)
 from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig, spans_opted_in
 
 # Light on purpose: vLLM's processes import this package through the plugin. Engine settings,
@@ -32,17 +21,7 @@ from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig
 __all__ = [
     "ROUTE_AS_KEY",
     "SPANS_OPT_IN_KEY",
-    "BadInputError",
-    "CacheMismatchError",
-    "ConfigMismatchError",
-    "EngineError",
-    "EngineIntegrationError",
-    "EngineUnreachableError",
-    "MinipicError",
-    "PromptBuildError",
-    "RequestTimeoutError",
     "SpanConfig",
-    "SpanTooLongError",
-    "UnavailableError",
     "spans_opted_in",
+    *errors.__all__,
 ]

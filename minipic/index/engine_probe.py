@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from span_contract.engine_utilities import INDEX_FLUSH_RPC, SPAN_STORE_STATS_UTILITY
+
 if TYPE_CHECKING:
     from orchestrator import Orchestrator
 
-FLUSH_METHOD = "minipic_index_flush"
 DURABLE_TIMEOUT_S = 120.0
 
 
@@ -26,7 +27,7 @@ class IndexWorkerExtension:
     written before its blocks are on disk would make a rerun skip a document the store lost.
     """
 
-    def minipic_index_flush(self, timeout_s: float) -> dict[str, Any]:
+    def minipic_index_flush(self, timeout_s: float) -> dict[str, Any]:  # INDEX_FLUSH_RPC
         from engine_ext.span_store.worker_side import flush_worker_store
 
         return flush_worker_store(timeout_s)
@@ -56,9 +57,7 @@ class EmbeddedProbe(Probe):
         return self.backend.engine
 
     async def stats(self) -> dict[str, Any]:
-        from engine_ext.span_store.stats import STATS_METHOD
-
-        stats = await self.engine.engine_core.call_utility_async(STATS_METHOD)
+        stats = await self.engine.engine_core.call_utility_async(SPAN_STORE_STATS_UTILITY)
         if not stats:
             raise RuntimeError("the engine runs no span store")
         self.fingerprint = str(stats["fingerprint"])
@@ -68,7 +67,7 @@ class EmbeddedProbe(Probe):
         return dict((await self.stats())["counts"])
 
     async def durable(self, new_blocks: int) -> str | None:
-        (flushed,) = await self.engine.collective_rpc(FLUSH_METHOD, args=(DURABLE_TIMEOUT_S,))
+        (flushed,) = await self.engine.collective_rpc(INDEX_FLUSH_RPC, args=(DURABLE_TIMEOUT_S,))
         before, self.last = self.last, flushed
         if flushed.get("tiers", 1) == 0:
             return ("the store's writes are off: it has no usable directory (its secret could "

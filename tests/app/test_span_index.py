@@ -321,10 +321,10 @@ def _off_reference(ref, prompt, token_ids: list[int]) -> list[tuple[int, float]]
 
 
 def _store_tokens(orc) -> int:
-    from engine_ext.span_store.stats import STATS_METHOD
+    from span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
 
     engine = orc.aio.backend.engine
-    stats = orc.submit(engine.engine_core.call_utility_async(STATS_METHOD)).result()
+    stats = orc.submit(engine.engine_core.call_utility_async(SPAN_STORE_STATS_UTILITY)).result()
     counts = stats["counts"]
     return sum(int(counts.get(f"tokens_{tier}", 0)) for tier in ("ram", "disk", "shared"))
 

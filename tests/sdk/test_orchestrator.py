@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from support.counting_backend import CountingBackend
+from support.documents import SYSTEM, doc
 
 from engine_ext.attention.key_shadow.pool import DEFAULT_SHARE
 from orchestrator import (
@@ -33,10 +34,6 @@ from orchestrator.corpus import default_corpus
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_orchestrator")]
 
-SYSTEM = ("You are a concise assistant. Answer the question using only the documents provided. "
-          "Reply with a short phrase, not a sentence.")
-
-
 def run(orc: SyncOrchestrator, coro: Coroutine[Any, Any, Any]) -> Any:
     """Run a coroutine on the orchestrator's own loop (where its engine lives)."""
     return orc.submit(coro).result(timeout=300)
@@ -49,10 +46,6 @@ def sibling(orc: SyncOrchestrator, **options: Any) -> tuple[Orchestrator, Counti
 
 def salt() -> str:
     return uuid.uuid4().hex
-
-
-def doc(name: str, words: int = 40) -> str:
-    return f"{name}: " + " ".join(f"{name.lower()}{i}" for i in range(words))
 
 
 def test_answer_reports_cached_tokens_ttft_and_span_status(tiny_orchestrator) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 from support.counting_backend import CountingBackend
+from support.documents import SYSTEM, doc
 from support.servers import ServerProcess, free_port
 
 from orchestrator import (
@@ -36,14 +37,6 @@ from orchestrator.http_backend import HttpBackend
 from prompt_builder import PromptBuilder
 
 pytestmark = [pytest.mark.server, pytest.mark.shares("smol_server")]
-
-SYSTEM = ("You are a concise assistant. Answer the question using only the documents provided. "
-          "Reply with a short phrase, not a sentence.")
-
-
-def doc(name: str, words: int = 40) -> str:
-    return f"{name}: " + " ".join(f"{name.lower()}{i}" for i in range(words))
-
 
 def test_connect_to_nothing_is_unreachable() -> None:
     # first in the module and server-free: the dev server boots meanwhile (autouse dev_boot)

@@ -29,6 +29,7 @@ from orchestrator import SyncOrchestrator
 
 TINY = ("--model", "tiny-llama", "--max-model-len", "2048")
 API_KEY = "lifecycle-test-key"
+LORA = "tiny-lora"
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -124,11 +125,19 @@ def wait_for_engine(pid: int, timeout: float = 300) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, Future]]:
+def servers(tmp_path_factory) -> Iterator[dict[str, Future]]:
     """The two servers the tests below take apart, booting together from the module's first
-    test on (each start is mostly vLLM's import, on one core: the two overlap)."""
+    test on (each start is mostly vLLM's import, on one core: the two overlap). The first also
+    serves a LoRA adapter of the tiny model, ``LORA``."""
+    from support.lora_adapter import write_zero_lora
+
+    from span_contract.models import resolve_model
+
+    adapter = write_zero_lora(tmp_path_factory.mktemp("lora"), resolve_model("tiny-llama"))
     boot = ThreadPoolExecutor(2, thread_name_prefix="boot")
-    pending = {"plain": ServerProcess(*TINY, "--", "--api-key", API_KEY),
+    pending = {"plain": ServerProcess(*TINY, "--", "--api-key", API_KEY, "--enable-lora",
+                                      "--max-lora-rank", "8", "--lora-modules",
+                                      f"{LORA}={adapter}"),
                "reset": ServerProcess(*TINY, "--enable-cache-reset")}
     futures = {name: boot.submit(server.start) for name, server in pending.items()}
     yield futures
@@ -154,6 +163,19 @@ def test_sigkill_of_serve_leaves_no_engine_behind(leftovers, servers) -> None:
     key = {"Authorization": f"Bearer {API_KEY}"}
     config = httpx.get(server.base_url + "/minipic/config", headers=key, timeout=10).json()
     assert config["cache_reset"] is False and config["enabled"] is True
+    # documents for a LoRA adapter's name: refused before any span prefill, with the reason
+    body = {"model": LORA, "max_tokens": 2, "documents": [{"text": "a document " * 40}],
+            "messages": [{"role": "user", "content": "what does the document say?"}]}
+    before = httpx.get(server.base_url + "/minipic/documents", headers=key, timeout=10).json()
+    lora = httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=key,
+                      timeout=60)
+    assert lora.status_code == 400, lora.text
+    assert "LoRA adapter" in lora.json()["error"]["message"] and LORA in lora.text
+    after = httpx.get(server.base_url + "/minipic/documents", headers=key, timeout=10).json()
+    assert after == before, (before, after)  # nothing was laid out or prefilled
+    plain = {"model": LORA, "prompt": [1, 2, 3], "max_tokens": 1}  # the adapter itself serves
+    assert httpx.post(server.base_url + "/v1/completions", json=plain, headers=key,
+                      timeout=120).status_code == 200
     os.kill(server.proc.pid, signal.SIGKILL)  # a crash: `minipic serve` gets no say
     server.proc.wait()
     assert wait_gone(procs, 20) == []

@@ -27,14 +27,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.pic_engine import generate, pic_sampling, prefill, random_prompt
 from support.pic_reference import (
+    REFERENCE_TOL,
     PicPrompt,
     PicReference,
     build_pic_prompt,
     pad_span,
+    prompt_error,
     random_ordinary_ids,
 )
-from test_span_reuse import REFERENCE_TOL, _error, _generate, _params, _prefill
 
 pytestmark = pytest.mark.engine
 
@@ -85,19 +87,12 @@ def _delta(after: dict, before: dict, key: str) -> int:
     return int(after.get(key, 0)) - int(before.get(key, 0))
 
 
-def _prompt(llm, rng: random.Random, vocab: int, lengths: list[int]) -> PicPrompt:
-    cfg = llm.minipic_settings.span_config
-    avoid = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
-    bodies = [random_ordinary_ids(rng, n, vocab, avoid) for n in lengths]
-    return build_pic_prompt(cfg, bodies, random_ordinary_ids(rng, 12, vocab, avoid))
-
-
 def _saved(llm, prompt: PicPrompt, salt: str | None = None) -> None:
     """Prefill the prompt's spans and wait until the store has them on disk."""
     store_dir = Path(llm.minipic_settings.span_store.dir)
     files = len(_entries(store_dir)) if store_dir.exists() else 0
     before = _counts(llm).get("saved_blocks", 0)
-    _prefill(llm, prompt.span_prefills, salt)
+    prefill(llm, prompt.span_prefills, salt)
     blocks = prompt.span_tokens // llm.minipic_settings.block_size
     assert _counts(llm).get("saved_blocks", 0) - before == blocks
     deadline = time.monotonic() + 60
@@ -114,15 +109,15 @@ def _entries(store_dir: Path) -> list[Path]:
 def test_store_loaded_final_equals_reference(disk_llm, ref, store_dir, seed) -> None:
     llm = disk_llm
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, ref.vocab_size, [40, 25, 60])
+    prompt = random_prompt(llm, rng, ref.vocab_size, [40, 25, 60])
     _saved(llm, prompt)
     assert llm.reset_prefix_cache()  # the pool forgets the spans; the store keeps them
     before = _counts(llm)
-    out = _generate(llm, [prompt.token_ids], _params())[0]
+    out = generate(llm, [prompt.token_ids], pic_sampling())[0]
     after = _counts(llm)
     assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
     assert _delta(after, before, "tokens_disk") == prompt.span_tokens, (before, after)
-    err = _error(out, prompt, ref)
+    err = prompt_error(out, prompt, ref)
     assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
     assert _entries(store_dir), "nothing was written to the disk tier"
 
@@ -132,7 +127,7 @@ def test_tenants_never_load_each_others_spans(disk_llm, ref, seed) -> None:
     prompt; under its own salt it is."""
     llm = disk_llm
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, ref.vocab_size, [33, 50])
+    prompt = random_prompt(llm, rng, ref.vocab_size, [33, 50])
     _saved(llm, prompt, salt=f"tenant-a-{seed}")
     cfg = llm.minipic_settings.span_config
     bodies = [p[1:] for p in prompt.span_prefills]
@@ -145,12 +140,12 @@ def test_tenants_never_load_each_others_spans(disk_llm, ref, seed) -> None:
                         (None, later)):
         assert llm.reset_prefix_cache()
         before = _counts(llm)
-        out = _generate(llm, [final.token_ids], _params(), salt)[0]
+        out = generate(llm, [final.token_ids], pic_sampling(), salt)[0]
         loaded = sum(_delta(_counts(llm), before, k) for k in ("tokens_disk", "tokens_ram"))
         assert loaded == 0 and out.num_cached_tokens == 0, (salt, seed)
-        assert _error(out, final, ref) < REFERENCE_TOL, f"seed={seed}"
+        assert prompt_error(out, final, ref) < REFERENCE_TOL, f"seed={seed}"
     assert llm.reset_prefix_cache()
-    out = _generate(llm, [later.token_ids], _params(), f"tenant-a-{seed}")[0]
+    out = generate(llm, [later.token_ids], pic_sampling(), f"tenant-a-{seed}")[0]
     assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
 
 
@@ -166,7 +161,7 @@ def test_corrupt_truncated_foreign_forged_and_special_entries_are_misses(
 
     llm = disk_llm
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, ref.vocab_size, [30] * 6)  # one block each
+    prompt = random_prompt(llm, rng, ref.vocab_size, [30] * 6)  # one block each
     before_files = set(_entries(store_dir))
     _saved(llm, prompt)
     mine = sorted(set(_entries(store_dir)) - before_files)
@@ -196,11 +191,11 @@ def test_corrupt_truncated_foreign_forged_and_special_entries_are_misses(
     mine[2].write_bytes(bytes(foreign))
     assert llm.reset_prefix_cache()
     before = _counts(llm)
-    out = _generate(llm, [prompt.token_ids], _params())[0]
+    out = generate(llm, [prompt.token_ids], pic_sampling())[0]
     after = _counts(llm)
     assert _delta(after, before, "failed_loads") >= 6, (before, after)
     assert out.num_cached_tokens < prompt.span_tokens
-    err = _error(out, prompt, ref)
+    err = prompt_error(out, prompt, ref)
     assert err < REFERENCE_TOL, f"a bad entry changed the output: {err:.2e} (seed={seed})"
     # the damaged entries were removed; the final recomputed those blocks and saved them anew
     for path, bad in zip(mine[:2], damaged, strict=True):
@@ -212,16 +207,16 @@ def test_corrupt_truncated_foreign_forged_and_special_entries_are_misses(
 def test_store_deleted_under_a_running_engine(disk_llm, ref, store_dir, seed) -> None:
     llm = disk_llm
     rng = random.Random(seed)
-    prompt = _prompt(llm, rng, ref.vocab_size, [45, 20])
+    prompt = random_prompt(llm, rng, ref.vocab_size, [45, 20])
     _saved(llm, prompt)
     shutil.rmtree(store_dir)
     assert llm.reset_prefix_cache()
-    out = _generate(llm, [prompt.token_ids], _params())[0]
-    assert _error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
+    out = generate(llm, [prompt.token_ids], pic_sampling())[0]
+    assert prompt_error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
     # the engine keeps serving, and saves again once it can
-    again = _prompt(llm, rng, ref.vocab_size, [20])
-    _generate(llm, [again.token_ids], _params())
-    assert _error(_generate(llm, [prompt.token_ids], _params())[0], prompt, ref) < (
+    again = random_prompt(llm, rng, ref.vocab_size, [20])
+    generate(llm, [again.token_ids], pic_sampling())
+    assert prompt_error(generate(llm, [prompt.token_ids], pic_sampling())[0], prompt, ref) < (
         REFERENCE_TOL)
 
 
@@ -240,7 +235,7 @@ def test_other_weights_on_the_same_store_load_nothing(disk_llm, ref, store_dir, 
     from span_contract.span_store_config import SpanStoreConfig
 
     rng = random.Random(seed)
-    prompt = _prompt(disk_llm, rng, ref.vocab_size, [40, 30])
+    prompt = random_prompt(disk_llm, rng, ref.vocab_size, [40, 30])
     _saved(disk_llm, prompt)
     model = Path(disk_llm.minipic_settings.model)
     other = tmp_path / "other-weights"
@@ -255,11 +250,11 @@ def test_other_weights_on_the_same_store_load_nothing(disk_llm, ref, store_dir, 
     llm = _start_with(SpanStoreConfig(dir=str(store_dir), ram_mib=0), model=str(other))
     try:
         before = _counts(llm)
-        out = _generate(llm, [prompt.token_ids], _params())[0]
+        out = generate(llm, [prompt.token_ids], pic_sampling())[0]
         after = _counts(llm)
         assert out.num_cached_tokens == 0 and _delta(after, before, "loaded_blocks") == 0
         assert _stats(llm)["fingerprint"] != _stats(disk_llm)["fingerprint"]
-        err = _error(out, prompt, PicReference(str(other)))
+        err = prompt_error(out, prompt, PicReference(str(other)))
         assert err < REFERENCE_TOL, f"off its own weights' reference by {err:.2e} (seed={seed})"
     finally:
         close_llm(llm)
@@ -286,17 +281,17 @@ def test_two_engines_share_one_tier(disk_llm, ref, store_dir, seed) -> None:
     from span_contract.span_store_config import SpanStoreConfig
 
     rng = random.Random(seed)
-    prompt = _prompt(disk_llm, rng, ref.vocab_size, [40, 60, 27])
+    prompt = random_prompt(disk_llm, rng, ref.vocab_size, [40, 60, 27])
     _saved(disk_llm, prompt)
     other = _start_with(SpanStoreConfig(shared_dir=str(store_dir), ram_mib=16))
     try:
-        out = _generate(other, [prompt.token_ids], _params())[0]
+        out = generate(other, [prompt.token_ids], pic_sampling())[0]
         assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
         assert _counts(other).get("tokens_shared", 0) == prompt.span_tokens
-        assert _error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
+        assert prompt_error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
         assert other.reset_prefix_cache()
         ram_before = _counts(other).get("tokens_ram", 0)
-        again = _generate(other, [prompt.token_ids], _params())[0]
+        again = generate(other, [prompt.token_ids], pic_sampling())[0]
         assert _counts(other).get("tokens_ram", 0) - ram_before == prompt.span_tokens
         assert again.outputs[0].token_ids == out.outputs[0].token_ids
     finally:
@@ -329,8 +324,8 @@ def test_corpus_bigger_than_the_pool(ref, tmp_path, seed) -> None:
         answers: dict[str, list] = {}
         for name, engine in engines.items():
             for start in range(0, len(docs), 32):  # the corpus, prefilled once
-                _prefill(engine, [pad_span(cfg, d) for d in docs[start:start + 32]])
-            outs = [_generate(engine, [f.token_ids], _params(max_tokens=3, logprobs=0))[0]
+                prefill(engine, [pad_span(cfg, d) for d in docs[start:start + 32]])
+            outs = [generate(engine, [f.token_ids], pic_sampling(max_tokens=3, logprobs=0))[0]
                     for f in finals]
             cached[name] = sum(o.num_cached_tokens for o in outs)
             answers[name] = [o.outputs[0].token_ids for o in outs]

@@ -133,3 +133,23 @@ def span_part_runs(built: object) -> list[tuple[int, int, str]]:
         elif seg.kind == "pad" and runs and runs[-1][1] == seg.start:
             runs[-1][1] = seg.end
     return [(a, b, p) for a, b, p in runs]
+
+
+# max |delta logprob| over every returned top-k entry, engine vs this reference in fp32: the
+# kernels and the summation order differ (measured <= 2e-6)
+REFERENCE_TOL = 1e-4
+
+
+def reference_error(out: object, token_ids: Sequence[int], spans: Sequence[tuple[int, int]],
+                    ref: PicReference) -> float:
+    """``max_logprob_error`` of a vLLM ``RequestOutput`` for the prompt ``token_ids`` whose
+    isolated spans are ``spans`` (``()``: the plain causal model), teacher-forced on the
+    engine's own tokens."""
+    completion = out.outputs[0]  # type: ignore[attr-defined]
+    full = list(token_ids) + list(completion.token_ids)
+    return max_logprob_error(completion, len(token_ids), ref.logprobs(full, spans))
+
+
+def prompt_error(out: object, prompt: PicPrompt, ref: PicReference) -> float:
+    """``reference_error`` for a ``PicPrompt``."""
+    return reference_error(out, prompt.token_ids, prompt.spans, ref)
