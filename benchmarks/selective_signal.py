@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import sys
@@ -543,15 +542,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [finite(v) for v in x]
-    return x
-
 
 # ---------------------------------------------------------------------------------------------
 # main
@@ -671,6 +661,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"meta": meta, "summary": summarize(records, seed=args.seed), "errors": errors,
               "items": records}
     args.out.mkdir(parents=True, exist_ok=True)
+    from minipic.eval.runner import finite
+
     (args.out / "selective_signal.json").write_text(json.dumps(finite(report), indent=1))
     text = table(report)
     (args.out / "selective_signal.md").write_text(text + "\n")
