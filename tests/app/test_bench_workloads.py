@@ -64,7 +64,7 @@ def test_wilson_interval_covers_the_proportion_and_narrows_with_n():
 
 
 def test_plot_only_redraws_from_bench_json(tmp_path):
-    """``minipic bench --plot-only`` turns a saved report into the four figures, and says what
+    """``minipic bench --plot-only`` turns a saved report into its figures, and says what
     to run when there is no report."""
     import shutil
     from pathlib import Path
@@ -75,7 +75,7 @@ def test_plot_only_redraws_from_bench_json(tmp_path):
     shutil.copy(report, tmp_path / "bench.json")
     assert main(["bench", "--plot-only", "--out", str(tmp_path)]) == 0
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
-    assert pngs == ["accuracy_vs_ttft.png", "agent_memory.png", "throughput.png",
-                    "ttft_sweeps.png"]
+    assert pngs == ["accuracy_vs_ttft.png", "agent_memory.png", "prefill_steps.png",
+                    "throughput.png", "ttft_sweeps.png"]
     assert all((tmp_path / p).stat().st_size > 10_000 for p in pngs)
     assert main(["bench", "--plot-only", "--out", str(tmp_path / "missing")]) == 2
