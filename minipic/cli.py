@@ -21,6 +21,7 @@ Typical use:
   minipic index docs.jsonl --store DIR   precompute a corpus's span KV into a span store
   minipic plan --histogram H --budget 8   plan recurrent-state checkpoints (hybrid models)
   minipic eval                  answer quality of each mode vs full attention, beside its TTFT
+  minipic tune --out DIR        tune a model to answer under span layouts as with full attention
 """
 
 # subcommand modules; each exposes add_subparser(subparsers). Optional ones may be absent.
@@ -32,6 +33,7 @@ SUBCOMMAND_MODULES = (
     "checkpoint_planner.cli",
     "minipic.bench",
     "minipic.eval.cli",
+    "minipic.tune.cli",
 )
 
 

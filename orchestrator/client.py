@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from orchestrator.backends import EngineBackend, Sampling
@@ -42,7 +42,7 @@ from prompt_builder import (
     PromptBuildError,
     Span,
 )
-from prompt_builder.modes import coerce_mode
+from prompt_builder.modes import ModeSpec, coerce_mode, parse_mode
 
 Document = str | Span | Mapping[str, Any]
 
@@ -65,8 +65,13 @@ class Question(BaseModel):
     question: StrictStr
     documents: Sequence[Any] = Field(default_factory=list)
     system: StrictStr | None = None
-    mode: Mode | None = None
+    mode: Mode | ModeSpec | str | None = None  # a mode or its text form: selective@0.15
     cache_salt: StrictStr | None = None
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, value: Any) -> Any:
+        return None if value is None else parse_mode(value)
 
 
 def _coerce_options(options: SchedulerOptions | Mapping[str, Any] | None) -> SchedulerOptions:

@@ -23,7 +23,7 @@ from prompt_builder.counting import (
 )
 from prompt_builder.errors import *  # noqa: F403  (the errors users catch: errors.__all__)
 from prompt_builder.layout import Segment
-from prompt_builder.modes import Mode
+from prompt_builder.modes import Mode, ModeSpec, parse_mode
 from prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
 from prompt_builder.spans import PreparedSpan, Span, content_id
 from span_contract.span_config import SpanConfig
@@ -35,6 +35,7 @@ __all__ = [
     "DroppedSpan",
     "HFTokenCounter",
     "Mode",
+    "ModeSpec",
     "PreparedSpan",
     "PromptBuilder",
     "Segment",
@@ -50,5 +51,6 @@ __all__ = [
     "content_id",
     "count_tokens",
     "fit_texts",
+    "parse_mode",
     *errors.__all__,
 ]

@@ -45,7 +45,7 @@ from prompt_builder.layout import (
     reusable_block_mask,
     reusable_tokens,
 )
-from prompt_builder.modes import Layout, Mode, PromptParts, coerce_mode, make_layout
+from prompt_builder.modes import Layout, Mode, PromptParts, make_layout, parse_mode
 from prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
 from prompt_builder.spans import (
     PreparedSpan,
@@ -322,13 +322,14 @@ class PromptBuilder:
         """Lay out one prompt.
 
         ``spans`` in rank order (best first) unless they carry scores. ``mode``: see
-        ``prompt_builder.modes``; ``recompute_tokens`` applies to ``boundary_recompute``.
+        ``prompt_builder.modes``, as a ``Mode``, ``ModeSpec`` or text (``selective@0.15``,
+        ``boundary_recompute@40``); ``recompute_tokens`` is the same as ``boundary_recompute@N``.
         ``max_model_len`` (default: the builder's) with ``max_tokens`` reserved for generation
         bounds the prompt; ``budget`` says what to do when spans do not fit (``error``, ``drop``,
         ``truncate``, ``skip``; see ``prompt_builder.budget``). The result never exceeds the
         limit silently: it raises, or reports what was dropped or truncated.
         """
-        layout = make_layout(coerce_mode(mode), self.span_config, recompute_tokens)
+        layout = make_layout(parse_mode(mode), self.span_config, recompute_tokens)
         policy = coerce_policy(budget)
         question_own = self._question_ids(question)
         if system is not None and not isinstance(system, str):

@@ -16,6 +16,7 @@ output of a prompt does not depend on which spans were warm: a span prefill only
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,10 +33,76 @@ class Mode(StrEnum):
     BLOCK_ATTENTION = "block_attention"
     PREFIX = "prefix"
     BOUNDARY_RECOMPUTE = "boundary_recompute"
+    SELECTIVE = "selective"
+
+
+DEFAULT_SELECTIVE_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A mode with its parameter, as users write it: ``block_attention``,
+    ``boundary_recompute@40`` (head length in tokens), ``selective@0.15`` (the share of each
+    span's blocks recomputed in context)."""
+
+    mode: Mode
+    recompute_tokens: int | None = None  # boundary_recompute
+    share: float | None = None  # selective
+
+    def __str__(self) -> str:
+        if self.recompute_tokens is not None:
+            return f"{self.mode.value}@{self.recompute_tokens}"
+        if self.share is not None:
+            return f"{self.mode.value}@{self.share:g}"
+        return self.mode.value
+
+
+def parse_mode(value: object) -> ModeSpec:
+    """``Mode``, ``ModeSpec`` or its text form, else an ``InvalidInputError`` that says what
+    is accepted."""
+    if isinstance(value, ModeSpec):
+        return value
+    if isinstance(value, Mode):
+        return _spec(value, None)
+    if not isinstance(value, str):
+        raise InvalidInputError(f"mode must be a string such as 'block_attention' or "
+                                f"'selective@0.15', got {type(value).__name__}")
+    name, sep, param = value.partition("@")
+    mode = coerce_choice(Mode, name, "mode")
+    if sep and not param:
+        raise InvalidInputError(f"mode {value!r}: nothing after '@'")
+    return _spec(mode, param if sep else None)
+
+
+def _spec(mode: Mode, param: str | None) -> ModeSpec:
+    if mode is Mode.SELECTIVE:
+        if param is None:
+            return ModeSpec(mode, share=DEFAULT_SELECTIVE_SHARE)
+        try:
+            share = float(param)
+        except ValueError:
+            share = math.nan
+        if not 0.0 <= share <= 1.0:
+            raise InvalidInputError(f"selective@{param}: the budget is the share of each span's "
+                                    f"blocks recomputed, a number from 0 to 1 (e.g. "
+                                    f"selective@0.15)")
+        return ModeSpec(mode, share=share)
+    if mode is Mode.BOUNDARY_RECOMPUTE:
+        if param is None:
+            return ModeSpec(mode)
+        if not param.isdigit() or int(param) < 1:
+            raise InvalidInputError(f"boundary_recompute@{param}: the head length is a whole "
+                                    f"number of tokens >= 1 (e.g. boundary_recompute@40)")
+        return ModeSpec(mode, recompute_tokens=int(param))
+    if param is not None:
+        raise InvalidInputError(f"{mode.value}@{param}: only boundary_recompute@TOKENS and "
+                                f"selective@SHARE take a parameter")
+    return ModeSpec(mode)
 
 
 def coerce_mode(mode: object) -> Mode:
-    return coerce_choice(Mode, mode, "mode")
+    """The ``Mode`` of a mode or its text form (``selective@0.15`` -> ``Mode.SELECTIVE``)."""
+    return parse_mode(mode).mode
 
 
 @dataclass(frozen=True)
@@ -197,10 +264,17 @@ class BoundaryRecomputeLayout(Layout):
     def system_cost(self, n: int) -> int:
         return padded(n, self.block_size)
 
+    def head_tokens(self, n: int) -> int:
+        """How many of a span's ``n`` tokens are recomputed in context (0: none, the span is
+        written whole, as in block_attention)."""
+        return min(n, self.recompute_tokens)
+
     def span_cost(self, n: int) -> int:
         if n <= 0:
             return 0
-        head = min(n, self.recompute_tokens)
+        head = self.head_tokens(n)
+        if head == 0:
+            return padded(n + 1, self.block_size)
         body = n - head
         cost = padded(head + 1, self.block_size)
         return cost + padded(body + 1, self.block_size) if body else cost
@@ -210,8 +284,13 @@ class BoundaryRecomputeLayout(Layout):
 
     def write(self, out: LayoutWriter, parts: PromptParts) -> None:
         self._write_system(out, parts)
-        k = self.recompute_tokens
         for span in parts.spans:
+            k = self.head_tokens(len(span.token_ids))
+            if k == 0:
+                out.add("span", span.token_ids, reuse="span", marker="ssep",
+                        span_id=span.span_id, span_index=span.index, part="whole")
+                out.pad_to_block(reuse="span", span_id=span.span_id, span_index=span.index)
+                continue
             head, body = span.token_ids[:k], span.token_ids[k:]
             out.add("span", head, reuse="none", marker="pdep", span_id=span.span_id,
                     span_index=span.index, part="head")
@@ -223,10 +302,57 @@ class BoundaryRecomputeLayout(Layout):
         self._write_question(out, parts)
 
 
-def make_layout(mode: Mode, config: SpanConfig, recompute_tokens: int | None = None) -> Layout:
-    if mode is Mode.BOUNDARY_RECOMPUTE:
-        return BoundaryRecomputeLayout(config, recompute_tokens)
+class SelectiveLayout(BoundaryRecomputeLayout):
+    """Budgeted recompute: a share ``B`` of each span's blocks recomputed in context, from its
+    start (``selective@B``).
+
+    A span of ``n`` tokens fills ``m = ceil((n + 1) / block_size)`` blocks in block_attention;
+    here ``round(B * m)`` of them (half up) become its head, recomputed in context, PDEP-led,
+    and the rest its body, reused (the boundary_recompute layout, with the head sized per span)::
+
+        |sys _|P d1[:k1] _|S d1[k1:] ... _|S d2 ... _|P q ...|     (span 2 got 0 blocks)
+
+    ``selective@0`` is block_attention's layout, token for token; ``selective@1`` recomputes
+    every span in context (no span prefill).
+
+    Why the opening of each span and not blocks chosen per question: measured on held-out items
+    (``results/selective_signal/``, docs/design.md §8), recomputing span starts beat the
+    question's attention to the cached keys (ProphetKV-like; no better than random on this
+    model) and the KV deviation (CacheBlend-like) at every budget at block granularity. A
+    question-independent choice also keeps each span's prefill one per document: the cut depends
+    only on the span's length and ``B``.
+    """
+
+    mode = Mode.SELECTIVE
+
+    def __init__(self, config: SpanConfig, share: float) -> None:
+        super().__init__(config, None)
+        if isinstance(share, bool) or not 0.0 <= share <= 1.0:
+            raise InvalidInputError(f"selective share must be in [0, 1], got {share!r}")
+        self.share = share
+
+    def head_tokens(self, n: int) -> int:
+        blocks = math.floor(self.share * math.ceil((n + 1) / self.block_size) + 0.5)
+        return 0 if blocks == 0 else min(n, blocks * self.block_size - 1)
+
+
+def make_layout(mode: Mode | ModeSpec, config: SpanConfig,
+                recompute_tokens: int | None = None) -> Layout:
+    spec = parse_mode(mode)
     if recompute_tokens is not None:
+        if spec.recompute_tokens is not None and spec.recompute_tokens != recompute_tokens:
+            raise InvalidInputError(f"mode {spec} and recompute_tokens={recompute_tokens} "
+                                    f"disagree")
+        spec = ModeSpec(spec.mode, recompute_tokens=recompute_tokens, share=spec.share)
+    mode = spec.mode
+    if mode is Mode.SELECTIVE:
+        if spec.recompute_tokens is not None:
+            raise InvalidInputError("recompute_tokens applies to boundary_recompute; selective "
+                                    "takes a share: selective@0.15")
+        return SelectiveLayout(config, spec.share)
+    if mode is Mode.BOUNDARY_RECOMPUTE:
+        return BoundaryRecomputeLayout(config, spec.recompute_tokens)
+    if spec.recompute_tokens is not None:
         raise InvalidInputError(f"recompute_tokens applies to boundary_recompute, not {mode}")
     if mode is Mode.BLOCK_ATTENTION:
         return BlockAttentionLayout(config)

@@ -36,7 +36,9 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=300, help="items (built-in data; default 300)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated (default {','.join(DEFAULT_MODES)}); "
-                        f"boundary_recompute@TOKENS sets its head length (default one block)")
+                        f"boundary_recompute@TOKENS sets its head length (default one block), "
+                        f"selective@SHARE the share of each span's blocks recomputed in "
+                        f"context (e.g. selective@0.15)")
     p.add_argument("--passages", default="3-10",
                    help="documents per built-in item, MIN-MAX (default 3-10)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
@@ -54,10 +56,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from minipic.eval.runner import parse_mode
 
-    modes = [m for m in args.modes.split(",") if m]
     try:
-        for spec in modes:
-            parse_mode(spec)
+        modes = [parse_mode(m.strip()) for m in args.modes.split(",") if m.strip()]
         if not modes:
             raise ValueError("--modes is empty")
     except ValueError as exc:
@@ -78,6 +78,21 @@ def run(args: argparse.Namespace) -> int:
         items, errors = loaded.items, loaded.errors
     else:
         items = builtin_items(args.data, args.n, args.seed, (low, high), args.max_words)
+    if not args.url:
+        from minipic.tune.data import without_tuned
+        from span_contract.errors import BadInputError
+        from span_contract.models import resolve_model
+
+        try:
+            items, dropped = without_tuned(items, resolve_model(args.model))
+        except BadInputError as exc:
+            print(f"minipic eval: {exc}")
+            return 2
+        if dropped:
+            print(f"minipic eval: {dropped} item(s) dropped: the model was tuned on them")
+        if not items:
+            print("minipic eval: no item left to score")
+            return 2
     print(f"minipic eval: {len(items)} items, modes {modes}, "
           f"{'server ' + args.url if args.url else 'embedded engine'}")
     from orchestrator import Orchestrator

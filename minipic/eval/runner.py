@@ -44,20 +44,13 @@ async def _teacher_forced(backend: Any, prompt: list[int], answer: list[int], k:
     return out
 
 
-def parse_mode(spec: str) -> tuple[str, int | None]:
-    """``"boundary_recompute@63"`` -> ``("boundary_recompute", 63)``: the head length (tokens
-    recomputed in context at each span's start; default one block minus its marker)."""
-    from prompt_builder import Mode
+def parse_mode(spec: str) -> str:
+    """A ``--modes`` entry in its canonical text form (``prompt_builder.parse_mode``:
+    ``block_attention``, ``boundary_recompute@63``, ``selective@0.15``); ``ValueError`` with
+    the reason otherwise."""
+    from prompt_builder import parse_mode as parse
 
-    mode, _, head = spec.partition("@")
-    if mode not in {m.value for m in Mode}:
-        raise ValueError(f"unknown mode {mode!r}; known: {[m.value for m in Mode]}")
-    if not head:
-        return mode, None
-    if mode != "boundary_recompute" or not head.isdigit() or int(head) < 1:
-        raise ValueError(f"{spec!r}: a head length applies to boundary_recompute only, as "
-                         f"boundary_recompute@TOKENS with TOKENS >= 1")
-    return mode, int(head)
+    return str(parse(spec))
 
 
 def _build(orc: Any, item: EvalItem, spec: str, max_tokens: int) -> Any:
@@ -65,10 +58,9 @@ def _build(orc: Any, item: EvalItem, spec: str, max_tokens: int) -> Any:
     from orchestrator.errors import from_build_error
     from prompt_builder import PromptBuildError
 
-    mode, head = parse_mode(spec)
     try:
         return orc.builder.build(question=item.question, system=item.system,
-                                 spans=list(item.documents), mode=mode, recompute_tokens=head,
+                                 spans=list(item.documents), mode=parse_mode(spec),
                                  max_tokens=max_tokens)
     except PromptBuildError as exc:
         raise from_build_error(exc) from exc

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from orchestrator.errors import BadInputError
-from prompt_builder import BudgetPolicy, Mode
+from prompt_builder import BudgetPolicy, InvalidInputError, Mode, parse_mode
 from span_contract.env import MAX_BODY_MIB_ENV, MAX_DOCUMENT_CHARS_ENV, MAX_DOCUMENTS_ENV
 
 Route = Literal["chat", "completions"]
@@ -282,9 +282,10 @@ def parse(route: Route, body: dict[str, Any], limits: Limits | None = None) -> D
                         f"{MINIPIC_KEY}.question")
     mode = options.get("mode", Mode.BLOCK_ATTENTION.value)
     budget = options.get("budget", BudgetPolicy.ERROR.value)
-    if mode not in {m.value for m in Mode}:
-        raise BodyError(f"unknown mode {mode!r}; known: {', '.join(m.value for m in Mode)}",
-                        f"{MINIPIC_KEY}.mode")
+    try:
+        mode = str(parse_mode(mode))
+    except InvalidInputError as exc:
+        raise BodyError(str(exc), f"{MINIPIC_KEY}.mode") from None
     if budget not in {p.value for p in BudgetPolicy}:
         raise BodyError(f"unknown budget policy {budget!r}; known: "
                         f"{', '.join(p.value for p in BudgetPolicy)}", f"{MINIPIC_KEY}.budget")

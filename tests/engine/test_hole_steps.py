@@ -219,7 +219,7 @@ def _sha(obj: object) -> bytes:
     return hashlib.sha256(repr(obj).encode()).digest()
 
 
-def _manager(num_blocks: int):
+def _manager(num_blocks: int, events: bool = False):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -228,7 +228,7 @@ def _manager(num_blocks: int):
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
     return KVCacheManager(config, max_model_len=1024, scheduler_block_size=SMALL,
-                          hash_block_size=SMALL)
+                          hash_block_size=SMALL, enable_kv_cache_events=events)
 
 
 def _request(rid: str, tokens: list[int]):
@@ -283,6 +283,7 @@ def _admit(kvm, wrapped: _Wrapped, request, budget: int):
 
     blocks, hit, _ = wrapped.lookup(kvm, request)
     pending = request.__dict__[CACHED_RUNS_ATTR]
+    request.found_tokens = hit + SMALL * sum(len(run) for _, run in pending.runs)
     holes = plan_holes(pending.runs, hit, budget, request.num_tokens, SMALL)
     pending.step = StepHoles(computed=hit, holes=holes)
     new = wrapped.allocate(kvm, request, pending.step.tokens, num_new_computed_tokens=hit,
@@ -358,3 +359,52 @@ def test_holes_that_do_not_fit_wait_for_a_later_step(seed: int) -> None:
     wrapped.free(kvm, final)
     wrapped.free(kvm, filler)
     assert kvm.block_pool.get_num_free_blocks() == idle, f"seed={seed}"
+
+
+def _stored_hashes(kvm) -> set:
+    from vllm.distributed.kv_events import BlockStored
+
+    return {h for e in kvm.take_events() if isinstance(e, BlockStored) for h in e.block_hashes}
+
+
+def test_selective_heads_are_published_only_under_their_prompts_chain(seed: int) -> None:
+    """selective@B on vLLM's real block pool with KV events on: the blocks a final recomputes
+    (its PDEP-led heads) are stored under hashes chained through that final's whole prefix, never
+    under a hash a span prefill publishes; a second final holding the same documents after
+    another system prompt finds every body and whole span, and none of the first one's heads."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from prompt_builder import PromptBuilder
+
+    rng = random.Random(seed)
+    builder = PromptBuilder.from_pretrained(None, block_size=SMALL, chat_template=False)
+    words = "amber basalt cedar delta ember fjord granite harbor iris juniper kelp".split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(20, 90))) for _ in range(3)]
+    share = rng.choice([0.3, 0.5, 0.7])
+    kvm, wrapped = _manager(256, events=True), _Wrapped()
+
+    finals = [builder.build(system=system, spans=docs, question="Which word comes first?",
+                            mode=f"selective@{share}")
+              for system in ("Answer from the documents.", "Be brief; cite the documents.")]
+    assert finals[0].span_prefills[1:] == finals[1].span_prefills[1:]
+    for i, ids in enumerate(finals[0].span_prefills):  # nothing cached yet: no holes
+        request = _request(f"prefill{i}", ids)
+        assert wrapped.allocate(kvm, request, request.num_tokens)
+        wrapped.free(kvm, request)
+    span_hashes = _stored_hashes(kvm)
+    heads_of = []
+    for n, built in enumerate(finals):
+        request = _request(f"final{n}", built.prompt_token_ids)
+        _admit(kvm, wrapped, request, budget=10_000)
+        # every body and whole span; the system prompt only where the prefills warmed it
+        warm_system = 0 if n == 0 else built.spans[0].end
+        assert request.found_tokens == built.expected_cached_tokens - warm_system, (n, seed)
+        head_blocks = sorted({p // SMALL for s in built.segments if s.part == "head"
+                              for p in range(s.start, s.end)})
+        assert head_blocks, f"share {share} (seed={seed})"
+        heads = {maybe_convert_block_hash(request.block_hashes[b]) for b in head_blocks}
+        stored = _stored_hashes(kvm)
+        assert heads <= stored and not heads & span_hashes, f"seed={seed}"
+        heads_of.append(heads)
+        wrapped.free(kvm, request)
+    assert not heads_of[0] & heads_of[1], f"seed={seed}"

@@ -12,6 +12,9 @@ against the transformers block-mask reference of docs/design.md §2
   hold the same spans at other offsets — identical greedy tokens, all equal to the reference;
 * boundary_recompute: bodies reused after their recomputed heads, output = the two-pass reference
   (bodies alone, heads and question in context over them);
+* selective@B: the same two-pass reference whatever the cache holds (cold, warm, evicted, in a
+  batch), and the recomputed heads stay private: a prompt with the same documents in another
+  order reuses their bodies, never another prompt's heads;
 * tenants: a salted request never reuses a span cached under another salt, at any position;
 * opt-in: a request that did not ask for span semantics gets stock hashing and attention even
   when its tokens contain SSEP/PDEP at block starts.
@@ -26,7 +29,14 @@ import random
 from collections.abc import Iterator
 
 import pytest
-from support.pic_engine import generate, pic_sampling, prefill, random_prompt
+from support.pic_engine import (
+    generate,
+    pic_sampling,
+    prefill,
+    random_documents,
+    random_prompt,
+    selective_prompt,
+)
 from support.pic_reference import (
     REFERENCE_TOL,
     PicReference,
@@ -126,6 +136,48 @@ def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -
     ref = tiny_ref.logprobs(full, bodies)
     err = max_logprob_error(out.outputs[0], len(built.prompt_token_ids), ref)
     assert err < REFERENCE_TOL, f"off the two-pass reference by {err:.2e} (seed={seed})"
+
+
+def test_selective_same_output_whatever_the_cache_holds(engines, tiny_ref, seed) -> None:
+    llm = engines.get("tiny_pic")
+    rng = random.Random(seed)
+    share = rng.choice([0.2, 0.35, 0.5, 0.65])
+    docs = random_documents(rng)
+    built, runs = selective_prompt(llm, rng, share, "Which word comes first?", docs)
+    prompt = built.prompt_token_ids
+    assert any(s.part == "head" for s in built.segments), f"share {share} (seed={seed})"
+
+    def ref_error(out, ids, isolated) -> float:
+        ref = tiny_ref.logprobs(list(ids) + list(out.outputs[0].token_ids), isolated)
+        return max_logprob_error(out.outputs[0], len(ids), ref)
+
+    llm.reset_prefix_cache()
+    cold = generate(llm, [prompt], pic_sampling())[0]
+    llm.reset_prefix_cache()
+    prefill(llm, built.span_prefills)
+    warm = generate(llm, [prompt], pic_sampling())[0]
+    assert warm.num_cached_tokens == built.expected_cached_tokens, f"seed={seed}"
+    # The heads that final recomputed are private to its prefix: the same documents in the
+    # reverse order reuse every body and whole span (warm above), and no head of the first one.
+    reordered, reordered_runs = selective_prompt(llm, rng, share, "Which word comes first?",
+                                                 docs[::-1])
+    again = generate(llm, [reordered.prompt_token_ids], pic_sampling())[0]
+    assert again.num_cached_tokens == reordered.expected_cached_tokens, f"seed={seed}"
+    assert ref_error(again, reordered.prompt_token_ids, reordered_runs) < REFERENCE_TOL
+    prefill(llm, built.span_prefills)
+    llm.reset_prefix_cache()
+    evicted = generate(llm, [prompt], pic_sampling())[0]
+    assert evicted.num_cached_tokens == 0
+    llm.reset_prefix_cache()
+    other, other_runs = selective_prompt(llm, rng, share, "Which word comes last?", docs)
+    batch = generate(llm, [other.prompt_token_ids, prompt], pic_sampling())
+    for name, out in {"cold": cold, "warm": warm, "evicted": evicted,
+                      "batched": batch[1]}.items():
+        assert out.outputs[0].token_ids == cold.outputs[0].token_ids, f"{name} (seed={seed})"
+        err = ref_error(out, prompt, runs)
+        assert err < REFERENCE_TOL, (f"{name}: off the two-pass reference by {err:.2e} "
+                                     f"(share {share}, seed={seed})")
+    assert ref_error(batch[0], other.prompt_token_ids, other_runs) < REFERENCE_TOL
 
 
 def test_salted_request_never_hits_another_tenants_span(engines, tiny_ref, seed) -> None:

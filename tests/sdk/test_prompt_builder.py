@@ -10,6 +10,7 @@ hits from the start, never the last prompt token's block).
 from __future__ import annotations
 
 import hashlib
+import random
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.fast
 SETTINGS = settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-PIC_MODES = [Mode.BLOCK_ATTENTION, Mode.BOUNDARY_RECOMPUTE]
+PIC_MODES = [Mode.BLOCK_ATTENTION, Mode.BOUNDARY_RECOMPUTE, Mode.SELECTIVE]
 
 # ---------------------------------------------------------------------------------------------
 # fixtures
@@ -364,6 +365,53 @@ def test_boundary_recompute_layout(builders):
         builder.build(spans=docs, question="q", mode="boundary_recompute", recompute_tokens=0)
     with pytest.raises(InvalidInputError, match="recompute_tokens"):
         builder.build(spans=docs, question="q", mode="block_attention", recompute_tokens=4)
+
+
+def test_selective_layout_recomputes_a_share_of_each_span_from_its_start(builders, seed):
+    """``selective@B``: round(B * m) of a span's m blocks (half up) recomputed, PDEP-led, from
+    its start; @0 is block_attention token for token; a span's prefill depends only on the
+    span and B (never on the question); bad budgets name the accepted form."""
+    import math
+
+    from prompt_builder import parse_mode
+
+    builder = pick_builder(builders, 16, True)
+    rng = random.Random(seed)
+    words = "amber basalt cedar delta ember fjord granite harbor iris juniper kelp".split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(3, 120)))
+            for _ in range(rng.randrange(2, 6))]
+    block = builder.build(spans=docs, question="Which?", mode="block_attention")
+    assert builder.build(spans=docs, question="Which?",
+                         mode="selective@0").prompt_token_ids == block.prompt_token_ids
+    share = rng.choice([0.1, 0.15, 0.25, 0.4, 0.5, 0.75])
+    built = builder.build(spans=docs, question="Which?", mode=f"selective@{share}")
+    assert built.mode is Mode.SELECTIVE
+    whole_blocks = {i.span_id: i.block_count for i in block.spans[1:]}
+    for info in built.spans[1:]:
+        segs = [s for s in built.segments if s.kind == "span" and s.span_id == info.span_id]
+        m = whole_blocks[info.span_id]
+        want = math.floor(share * m + 0.5)
+        heads = [s for s in segs if s.part == "head"]
+        if want == 0:
+            assert [s.part for s in segs] == ["whole"] and segs[0].marker == "ssep"
+            continue
+        head_tokens = heads[0].length - 1  # after its PDEP
+        content = sum(s.length - (s.marker is not None) for s in segs)
+        assert head_tokens == min(content, want * 16 - 1), (share, m, head_tokens)
+        assert heads[0].marker == "pdep" and heads[0].reuse == "none"
+    other = builder.build(spans=docs, question="Something else entirely?",
+                          mode=f"selective@{share}")
+    assert other.span_prefills == built.span_prefills  # question-independent prefills
+    everything = builder.build(spans=docs, question="Which?", mode="selective@1")
+    assert everything.span_prefills[1:] == [] and everything.expected_cached_tokens == (
+        everything.spans[0].end)
+    assert str(parse_mode("selective")) == "selective@0.25"
+    for bad in ("selective@1.5", "selective@-0.1", "selective@x", "selective@nan",
+                "selective@"):
+        with pytest.raises(InvalidInputError, match="selective|nothing after"):
+            builder.build(spans=docs, question="q", mode=bad)
+    with pytest.raises(InvalidInputError, match="only boundary_recompute@TOKENS and selective"):
+        builder.build(spans=docs, question="q", mode="block_attention@3")
 
 
 def test_prefix_mode_is_a_plain_prompt_sharing_only_the_system_prefix(builders, tokenizer):

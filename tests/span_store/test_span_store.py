@@ -27,12 +27,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.pic_engine import generate, pic_sampling, prefill, random_prompt
+from support.pic_engine import generate, pic_sampling, prefill, random_prompt, selective_prompt
 from support.pic_reference import (
     REFERENCE_TOL,
     PicPrompt,
     PicReference,
     build_pic_prompt,
+    max_logprob_error,
     pad_span,
     prompt_error,
     random_ordinary_ids,
@@ -120,6 +121,29 @@ def test_store_loaded_final_equals_reference(disk_llm, ref, store_dir, seed) -> 
     err = prompt_error(out, prompt, ref)
     assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
     assert _entries(store_dir), "nothing was written to the disk tier"
+
+
+def test_store_loaded_selective_final_equals_two_pass_reference(disk_llm, ref, seed) -> None:
+    """selective@B over spans the pool forgot: bodies and whole spans come from the store, the
+    heads are recomputed in context, and the output is the two-pass reference's."""
+    from types import SimpleNamespace
+
+    llm = disk_llm
+    rng = random.Random(seed)
+    share = rng.choice([0.25, 0.5])
+    built, runs = selective_prompt(llm, rng, share, "Which word comes first?")
+    prefills = [built.span_prefills[i.prefill_index] for i in built.spans
+                if i.kind == "span" and i.prefill_index is not None]  # bodies and whole spans
+    saved_tokens = sum(len(p) for p in prefills)
+    _saved(llm, SimpleNamespace(span_prefills=prefills, span_tokens=saved_tokens))
+    assert llm.reset_prefix_cache()
+    before = _counts(llm)
+    out = generate(llm, [built.prompt_token_ids], pic_sampling())[0]
+    assert _delta(_counts(llm), before, "tokens_disk") == saved_tokens, f"seed={seed}"
+    assert out.num_cached_tokens == saved_tokens, f"seed={seed}"
+    full = built.prompt_token_ids + list(out.outputs[0].token_ids)
+    err = max_logprob_error(out.outputs[0], len(built.prompt_token_ids), ref.logprobs(full, runs))
+    assert err < REFERENCE_TOL, f"off the two-pass reference by {err:.2e} (seed={seed})"
 
 
 def test_tenants_never_load_each_others_spans(disk_llm, ref, seed) -> None:

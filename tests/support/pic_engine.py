@@ -67,3 +67,36 @@ def random_prompt(llm: Any, rng: random.Random, vocab: int, lengths: Sequence[in
     """Fresh bodies of these lengths, then a fresh 12-id question (drawn in that order, so a
     seed replays the same prompt)."""
     return prompt_over(llm, rng, vocab, random_bodies(llm, rng, vocab, lengths))
+
+
+WORDS = ("amber basalt cedar delta ember fjord granite harbor iris juniper kelp lumen moss "
+         "nickel onyx pine quartz reed slate thistle umber vale willow").split()
+
+
+def random_documents(rng: random.Random) -> list[str]:
+    """Four fresh documents of random words: one short (all head, or no head block at a small
+    share), three of 20-140 words, in a random order."""
+    lengths = [rng.randrange(3, 12), *(rng.randrange(20, 140) for _ in range(3))]
+    rng.shuffle(lengths)
+    return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in lengths]
+
+
+def selective_prompt(llm: Any, rng: random.Random, share: float, question: str,
+                     docs: Sequence[str] | None = None) -> tuple[Any, list[tuple[int, int]]]:
+    """A ``selective@share`` prompt of fresh random documents (some short enough to be all head
+    or to get no head block) laid out by the SDK's builder for the engine's span config, and its
+    two-pass reference runs: the isolated parts (bodies and whole spans); heads, system and
+    question attend to everything before them."""
+    from prompt_builder import PromptBuilder
+    from support.pic_reference import span_part_runs
+
+    cfg = llm.minipic_settings.span_config
+    builder = PromptBuilder.from_pretrained(None, block_size=cfg.block_size,
+                                            chat_template=False)
+    assert builder.span_config == cfg
+    if docs is None:
+        docs = random_documents(rng)
+    built = builder.build(system="Answer from the documents.", spans=list(docs),
+                          question=question, mode=f"selective@{share}")
+    runs = [(a, b) for a, b, part in span_part_runs(built) if part in ("body", "whole")]
+    return built, runs

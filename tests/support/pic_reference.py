@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minipic.tune.layout import additive_mask, block_attention_allowed
+from minipic.tune.layout import isolated_runs as span_part_runs
 from span_contract.span_config import SpanConfig
+
+__all__ = ["PicPrompt", "PicReference", "REFERENCE_TOL", "block_attention_allowed",
+           "build_pic_prompt", "max_logprob_error", "pad_span", "prompt_error",
+           "random_ordinary_ids", "reference_error", "span_part_runs"]
 
 
 @dataclass
@@ -68,14 +74,6 @@ def random_ordinary_ids(rng: random.Random, n: int, vocab_size: int,
     return out
 
 
-def block_attention_allowed(length: int, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """``allowed[q, k]``: causal, except that a span's tokens see only their own span."""
-    allowed = torch.ones(length, length, dtype=torch.bool).tril()
-    for start, end in spans:
-        allowed[start:end, :start] = False
-    return allowed
-
-
 class PicReference:
     """fp32 transformers model from the engine's own model folder."""
 
@@ -95,9 +93,7 @@ class PicReference:
         ``spans=()`` gives the plain causal model (what stock vLLM computes for any prompt).
         """
         length = len(token_ids)
-        allowed = block_attention_allowed(length, spans)
-        mask = torch.zeros(1, 1, length, length, dtype=torch.float32)
-        mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        mask = additive_mask(block_attention_allowed(length, spans))
         out = self.model(
             input_ids=torch.tensor([list(token_ids)]),
             attention_mask=mask,
@@ -120,19 +116,6 @@ def max_logprob_error(completion: object, prompt_len: int, ref: torch.Tensor) ->
         for token_id, lp in entries.items():
             worst = max(worst, abs(lp.logprob - float(row[token_id])))
     return worst
-
-
-def span_part_runs(built: object) -> list[tuple[int, int, str]]:
-    """``(start, end, part)`` of each span part (head / body / whole) of a ``PromptBuilder``
-    build, the padding after it included (it is isolated with it)."""
-    runs: list[list] = []
-    for seg in built.segments:  # type: ignore[attr-defined]
-        part = getattr(seg, "part", None)
-        if seg.kind == "span" and part in ("head", "body", "whole"):
-            runs.append([seg.start, seg.end, part])
-        elif seg.kind == "pad" and runs and runs[-1][1] == seg.start:
-            runs[-1][1] = seg.end
-    return [(a, b, p) for a, b, p in runs]
 
 
 # max |delta logprob| over every returned top-k entry, engine vs this reference in fp32: the

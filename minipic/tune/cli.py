@@ -1,0 +1,209 @@
+"""``minipic tune``: teach a model to answer under span layouts as it does with full attention.
+
+    minipic tune --out runs/smol                       # default model, built-in data
+    minipic tune --model DIR --data mine.jsonl --out runs/mine --steps 200
+    minipic tune --out runs/smol --resume              # go on from the last checkpoint
+
+Self-distillation, no labels: the frozen model on the plain prompt is the teacher, the same
+model with a LoRA adapter under the block_attention layout (the engine's block mask) is the
+student, and the loss is KL(teacher ‖ student) over the question and the teacher's own greedy
+answer (``minipic/tune/objective.py``). Tuning items never overlap what ``minipic eval`` scores
+(``minipic/tune/data.py``).
+
+Writes to ``--out``:
+  model/          the merged model (weights in the base model's dtype, tokenizer,
+                  minipic_tune.json): give it to `minipic serve --model`, `Orchestrator.embedded`
+                  or `minipic eval --model`
+  checkpoints/    last.pt, for --resume
+  heldout.jsonl   the held-out items (a JSONL --data; built-in data: eval's own default set)
+  tune.json, tune.md, tune.png   settings, wall time, loss curve and the held-out report
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_subparser", "run"]
+
+MANIFEST = "minipic_tune.json"
+
+
+def add_subparser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "tune", help="block-attention tuning of a model by self-distillation (LoRA)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="run folder (see above)")
+    p.add_argument("--model", default=None, help="model folder (default SmolLM2-135M)")
+    p.add_argument("--data", default="builtin",
+                   help="builtin (BIG-bench knowledge conflicts, minus eval's items) or a JSONL "
+                        "of {question, documents, answer?, system?} (default builtin)")
+    p.add_argument("--n", type=int, default=400, help="tuning items at most (default 400)")
+    p.add_argument("--epochs", type=float, default=1.0,
+                   help="passes over the tuning items; sets --steps (default 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default: epochs × items / batch)")
+    p.add_argument("--batch", type=int, default=4, help="items per step (default 4)")
+    p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="the teacher's answer length (default 16, as minipic eval)")
+    p.add_argument("--passages", default="3-10",
+                   help="documents per built-in item, MIN-MAX (default 3-10)")
+    p.add_argument("--max-words", type=int, default=80,
+                   help="built-in passages are cut to this many words (default 80)")
+    p.add_argument("--report-n", type=int, default=40,
+                   help="held-out items scored at the end (0: none; default 40)")
+    p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from checkpoints/last.pt")
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="tune on the good lines of a JSONL with bad ones (default: refuse)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--seed", type=int, default=1, help="item draw, order and adapter init")
+    p.set_defaults(func=run)
+
+
+def _fail(message: str) -> int:
+    print(f"minipic tune: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from span_contract.errors import BadInputError
+
+    for name in ("n", "batch", "lora_rank", "max_tokens", "save_every"):
+        if getattr(args, name) < 1:
+            return _fail(f"--{name.replace('_', '-')} must be at least 1")
+    if args.steps is not None and args.steps < 1:
+        return _fail("--steps must be at least 1")
+    if not (args.lr > 0 and math.isfinite(args.lr)) or not args.epochs > 0:
+        return _fail("--lr and --epochs must be positive numbers")
+    if args.report_n < 0:
+        return _fail("--report-n must be 0 or more")
+    try:
+        low, high = (int(x) for x in args.passages.split("-"))
+        if not 1 <= low <= high:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--passages must be MIN-MAX, got {args.passages!r}")
+    if (args.out / "model").exists() and not args.resume:
+        return _fail(f"{args.out}/model exists: pick another --out, or --resume")
+    try:
+        return _tune(args, (low, high))
+    except BadInputError as exc:
+        return _fail(str(exc))
+    except ImportError as exc:
+        if exc.name == "peft":
+            return _fail("needs peft: `pip install 'minipic[tune]'` (or `make setup`)")
+        raise
+
+
+def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from minipic.tune import data as tune_data
+    from minipic.tune import report, trainer
+    from span_contract.errors import BadInputError
+    from span_contract.models import resolve_model
+
+    started = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    if not Path(model_dir, "config.json").is_file():
+        return _fail(f"--model {model_dir}: not a model folder (no config.json)")
+    print(f"minipic tune: loading data ({args.data})", flush=True)
+    loaded = tune_data.load(args.data, args.n, args.seed, passages, args.max_words,
+                            args.report_n, args.skip_bad_lines)
+    data_digest = hashlib.sha256(json.dumps(
+        loaded.manifest()["train_question_digests"]).encode()).hexdigest()[:16]
+    steps = args.steps or max(1, math.ceil(args.epochs * len(loaded.train) / args.batch))
+    settings = trainer.TuneSettings(
+        model=model_dir, steps=steps, batch=args.batch, lr=args.lr, lora_rank=args.lora_rank,
+        lora_alpha=2 * args.lora_rank, max_tokens=args.max_tokens, seed=args.seed,
+        data_digest=data_digest)
+    print(f"minipic tune: {len(loaded.train)} tuning items ({loaded.excluded} dropped as eval "
+          f"items, {len(loaded.bad_lines)} bad lines skipped), {len(loaded.heldout)} held out; "
+          f"{steps} steps × {args.batch}", flush=True)
+    builder = _builder(model_dir, settings)
+    model = trainer.load_student(model_dir, settings)
+    args.out.mkdir(parents=True, exist_ok=True)
+    state = trainer.train(model, builder, loaded.train, settings, args.out, resume=args.resume,
+                          save_every=args.save_every, progress=tqdm)
+    tune_data.write_heldout(loaded.heldout, args.out / "heldout.jsonl")
+    records, errors = [], []
+    for item in tqdm(loaded.heldout, desc="held-out report", unit="item"):
+        try:
+            records.append(report.score_item(model, builder, item, args.max_tokens))
+        except BadInputError as exc:
+            errors.append({"id": item.id, "error": str(exc)[:200]})
+    summary = report.summarize(records, args.seed) if records else None
+    wall = time.perf_counter() - started
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": model_dir, "model_name": Path(model_dir).name, "out": str(args.out / "model"),
+        **{k: getattr(settings, k) for k in ("steps", "batch", "lr", "lora_rank",
+                                             "lora_alpha", "max_tokens", "seed")},
+        "method": "LoRA on " + ", ".join(trainer.LORA_TARGETS) + "; self-distillation "
+                  "KL(base plain ‖ student block_attention) over question + greedy answer",
+        "train_items": len(loaded.train), "skipped_items": len(state["skipped"]),
+        "wall_s": wall, "train_s": state["seconds"],
+        "threads": torch.get_num_threads(),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+    }
+    _save_merged(model, model_dir, args.out / "model",
+                 {**meta, "settings": state["settings"], "data": loaded.manifest(),
+                  "final_loss": state["losses"][-1] if state["losses"] else None})
+    (args.out / "tune.json").write_text(json.dumps(
+        {"meta": meta, "losses": state["losses"], "summary": summary, "items": records,
+         "errors": errors, "skipped": state["skipped"]}, indent=1))
+    if summary:
+        text = report.table(summary, meta)
+        (args.out / "tune.md").write_text(text + "\n")
+        report.plot(state["losses"], summary, args.out / "tune.png")
+        print(text)
+    print(f"minipic tune: merged model in {args.out / 'model'} ({wall / 60:.1f} min)")
+    return 0
+
+
+def _builder(model_dir: str, settings: Any) -> Any:
+    from prompt_builder import PromptBuilder
+    from span_contract.special_tokens import span_config_for_model
+
+    span = span_config_for_model(model_dir, settings.block_size)
+    return PromptBuilder.from_pretrained(model_dir, block_size=settings.block_size,
+                                         ssep_id=span.ssep_id, pdep_id=span.pdep_id,
+                                         pad_id=span.pad_id, max_model_len=settings.max_model_len)
+
+
+def _save_merged(model: Any, base_dir: str, target: Path, manifest: dict[str, Any]) -> None:
+    """The adapter folded into the weights, in the base model's dtype, with its tokenizer:
+    an ordinary model folder, written whole then renamed into place."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    base_config = AutoConfig.from_pretrained(base_dir)
+    dtype = getattr(base_config, "dtype", None) or getattr(base_config, "torch_dtype", None)
+    merged = model.merge_and_unload()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype):
+        merged = merged.to(dtype)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(tmp)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)

@@ -1,0 +1,109 @@
+"""Self-distillation: the model under a span layout learns to answer as it does with full
+attention.
+
+Per item, with the SDK's real layouts (``PromptBuilder``):
+
+* the **teacher** is the frozen model (the LoRA adapter switched off) on the plain prompt
+  (``prefix`` layout) followed by its own greedy answer ``A``: no labels are needed;
+* the **student** is the model with the adapter, on the ``block_attention`` layout of the same
+  item followed by ``A``, under the block mask the engine computes (``layout.py``);
+* the loss is KL(teacher ‖ student) over the full vocabulary, averaged over the positions the two
+  sequences share at their end (the question, the chat template's tail and ``A``): those are the
+  distributions a cached-document prompt must reproduce, and the answer tokens are the ones
+  ``minipic eval`` scores.
+
+Why the question's positions too, and not only ``A``'s: they are as many again, cost nothing
+extra (same forward pass), and the answer's first token depends on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minipic.tune.layout import additive_mask, block_attention_allowed, isolated_runs
+
+STUDENT_MODE = "block_attention"
+
+
+@dataclass
+class Example:
+    """One item, laid out twice, with the teacher's answer appended to both."""
+
+    teacher_ids: list[int]  # plain prompt + A
+    student_ids: list[int]  # block_attention layout + A
+    runs: list[tuple[int, int, str]]  # the student's isolated span runs
+    shared: int  # positions at the end both sequences share (question, template tail, A)
+    answer: list[int]
+    answer_start_teacher: int  # index of A's first token in teacher_ids
+
+
+def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def greedy_answer(model: Any, prompt: Sequence[int], max_tokens: int, eos: int) -> list[int]:
+    """The model's own greedy answer, EOS included when produced (never empty)."""
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                         max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                         pad_token_id=eos)
+    answer = out[0, len(prompt):].tolist()
+    if eos in answer:
+        answer = answer[: answer.index(eos) + 1]
+    return answer or [eos]
+
+
+def layouts(builder: Any, item: Any, max_tokens: int) -> tuple[Any, Any]:
+    """``(plain, block)`` builds of one item, as ``minipic eval`` lays them out."""
+    common = dict(question=item.question, system=item.system, spans=list(item.documents),
+                  max_tokens=max_tokens)
+    return builder.build(mode="prefix", **common), builder.build(mode=STUDENT_MODE, **common)
+
+
+def make_example(teacher: Any, builder: Any, item: Any, max_tokens: int) -> Example:
+    """``teacher``: the frozen model (call inside ``disable_adapter()`` for a peft model)."""
+    plain, block = layouts(builder, item, max_tokens)
+    eos = builder.tokenizer.eos_token_id
+    answer = greedy_answer(teacher, plain.prompt_token_ids, max_tokens, eos)
+    teacher_ids = list(plain.prompt_token_ids) + answer
+    student_ids = list(block.prompt_token_ids) + answer
+    return Example(teacher_ids=teacher_ids, student_ids=student_ids, runs=isolated_runs(block),
+                   shared=common_suffix(teacher_ids, student_ids), answer=answer,
+                   answer_start_teacher=len(plain.prompt_token_ids))
+
+
+def log_probs(model: Any, ids: Sequence[int], keep: int,
+              runs: Sequence[tuple[int, ...]] = ()) -> torch.Tensor:
+    """``[keep, vocab]`` next-token log-probs at the last ``keep`` positions of ``ids``, under
+    the block mask of ``runs`` (``()``: plain causal attention)."""
+    length = len(ids)
+    out = model(input_ids=torch.tensor([list(ids)]),
+                attention_mask=additive_mask(block_attention_allowed(length, runs)),
+                position_ids=torch.arange(length).unsqueeze(0), use_cache=False,
+                logits_to_keep=keep)
+    return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def kl_rows(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) per row, from log-probs."""
+    return (p_log.exp() * (p_log - q_log)).sum(-1)
+
+
+def teacher_targets(model: Any, ex: Example) -> torch.Tensor:
+    """The frozen model's log-probs over the shared positions (no grad)."""
+    with torch.no_grad(), model.disable_adapter():
+        return log_probs(model, ex.teacher_ids, ex.shared)
+
+
+def distillation_loss(model: Any, ex: Example, target: torch.Tensor) -> torch.Tensor:
+    """Mean KL(teacher ‖ student) over the shared positions, with grad through the adapter."""
+    student = log_probs(model, ex.student_ids, ex.shared, ex.runs)
+    return kl_rows(target, student).mean()

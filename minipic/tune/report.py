@@ -1,0 +1,140 @@
+"""What tuning bought and what it cost, on held-out items, in transformers.
+
+For each held-out item (never tuned on), against the *base* model's full attention on the plain
+prompt and its greedy answer ``A`` (the answer a user would get without minipic):
+
+* ``base_block``: the base model under the block_attention layout (what minipic serves today);
+* ``tuned_block``: the tuned model under the same layout (what it serves after tuning);
+* ``tuned_full``: the tuned model on the plain prompt: the cost of tuning to the model's own
+  full-attention behaviour, KL(base prefix ‖ tuned prefix).
+
+Per answer token: KL(base full ‖ row) and top-1 agreement; per item, F1 against the gold answer
+of the greedy answers of the base and tuned models on the plain prompt. Paired bootstrap CIs
+(``minipic.eval.metrics``). ``minipic eval --model DIR`` measures the merged model on the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import torch
+
+from minipic.eval import metrics
+from minipic.tune import objective
+from span_contract.errors import BadInputError
+
+ROWS = ("base_block", "tuned_block", "tuned_full")
+
+
+@torch.no_grad()
+def score_item(model: Any, builder: Any, item: Any, max_tokens: int) -> dict[str, Any]:
+    with model.disable_adapter():
+        ex = objective.make_example(model, builder, item, max_tokens)
+        reference = objective.log_probs(model, ex.teacher_ids, ex.shared)
+        base_block = objective.log_probs(model, ex.student_ids, ex.shared, ex.runs)
+    tuned_block = objective.log_probs(model, ex.student_ids, ex.shared, ex.runs)
+    tuned_full = objective.log_probs(model, ex.teacher_ids, ex.shared)
+    answer_rows = slice(-len(ex.answer) - 1, -1)  # the rows that predict A's tokens
+    p = reference[answer_rows]
+    record: dict[str, Any] = {"id": item.id, "answer_tokens": len(ex.answer)}
+    for name, q in (("base_block", base_block), ("tuned_block", tuned_block),
+                    ("tuned_full", tuned_full)):
+        q = q[answer_rows]
+        record[name] = {"kl": float(objective.kl_rows(p, q).mean()),
+                        "top1": float((p.argmax(-1) == q.argmax(-1)).float().mean())}
+    if item.answer is not None:
+        tokenizer = builder.tokenizer
+        plain = ex.teacher_ids[: ex.answer_start_teacher]
+        tuned_answer = objective.greedy_answer(model, plain, max_tokens,
+                                               tokenizer.eos_token_id)
+        record["f1_base"] = metrics.f1(tokenizer.decode(ex.answer, skip_special_tokens=True),
+                                       item.answer)
+        record["f1_tuned"] = metrics.f1(tokenizer.decode(tuned_answer, skip_special_tokens=True),
+                                        item.answer)
+    return record
+
+
+def summarize(records: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
+    n = len(records)
+    if n == 0:
+        raise BadInputError("no held-out item could be scored")
+    idx = metrics.bootstrap_indices(n, seed=seed)
+
+    def ci(values: list[float]) -> dict[str, float]:
+        mean, low, high = metrics.bootstrap_ci(values, indices=idx)
+        return {"mean": mean, "low": low, "high": high}
+
+    out: dict[str, Any] = {"n": n}
+    for row in ROWS:
+        out[row] = {k: ci([r[row][k] for r in records]) for k in ("kl", "top1")}
+    out["tuned_minus_base_block_kl"] = ci([r["tuned_block"]["kl"] - r["base_block"]["kl"]
+                                          for r in records])
+    with_gold = [r for r in records if "f1_base" in r]
+    if with_gold:
+        gold_idx = metrics.bootstrap_indices(len(with_gold), seed=seed)
+        for key in ("f1_base", "f1_tuned"):
+            mean, low, high = metrics.bootstrap_ci([r[key] for r in with_gold], indices=gold_idx)
+            out[key] = {"mean": mean, "low": low, "high": high}
+        mean, low, high = metrics.bootstrap_ci([r["f1_tuned"] - r["f1_base"] for r in with_gold],
+                                               indices=gold_idx)
+        out["f1_tuned_minus_base"] = {"mean": mean, "low": low, "high": high}
+    return out
+
+
+def _fmt(entry: dict[str, float], digits: int = 3, scale: float = 1.0) -> str:
+    if entry is None or math.isnan(entry["mean"]):
+        return "n/a"
+    return (f"{entry['mean'] * scale:.{digits}f} "
+            f"[{entry['low'] * scale:.{digits}f}, {entry['high'] * scale:.{digits}f}]")
+
+
+def table(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = [f"# minipic tune: {meta['model_name']} → {meta['out']}", "",
+             f"{meta['steps']} steps × {meta['batch']} items, LoRA r={meta['lora_rank']}, "
+             f"lr {meta['lr']}, {meta['train_items']} tuning items, "
+             f"{meta['wall_s'] / 60:.1f} min on {meta['threads']} threads.", "",
+             f"Held-out items: n = {summary['n']}, scored against the base model's full "
+             f"attention (its plain prompt and greedy answer). 95% paired bootstrap CIs.", "",
+             "| row | KL(base full ‖ row) per answer token | top-1 agreement, % |",
+             "|---|---|---|"]
+    names = {"base_block": "base, block_attention", "tuned_block": "tuned, block_attention",
+             "tuned_full": "tuned, full attention (the cost)"}
+    for row in ROWS:
+        lines.append(f"| {names[row]} | {_fmt(summary[row]['kl'])} | "
+                     f"{_fmt(summary[row]['top1'], 1, 100)} |")
+    lines += ["", f"Tuned − base under block_attention, KL: "
+                  f"{_fmt(summary['tuned_minus_base_block_kl'])}"]
+    if "f1_base" in summary:
+        lines.append(f"F1 against gold, plain prompt: base {_fmt(summary['f1_base'])}, tuned "
+                     f"{_fmt(summary['f1_tuned'])} (difference "
+                     f"{_fmt(summary['f1_tuned_minus_base'])})")
+    return "\n".join(lines)
+
+
+def plot(losses: list[float], summary: dict[str, Any], path: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.plot(range(1, len(losses) + 1), losses, lw=1, alpha=0.5, label="per step")
+    window = max(1, len(losses) // 10)
+    if len(losses) >= window:
+        smooth = [statistics.fmean(losses[max(0, i - window + 1): i + 1])
+                  for i in range(len(losses))]
+        left.plot(range(1, len(losses) + 1), smooth, lw=2, label=f"mean of {window}")
+    left.set(xlabel="optimizer step", ylabel="KL(teacher ‖ student), tuning items",
+             title="training loss")
+    left.legend()
+    names = ["base\nblock", "tuned\nblock", "tuned\nfull"]
+    means = [summary[r]["kl"]["mean"] for r in ROWS]
+    errs = [[m - summary[r]["kl"]["low"] for r, m in zip(ROWS, means, strict=True)],
+            [summary[r]["kl"]["high"] - m for r, m in zip(ROWS, means, strict=True)]]
+    right.bar(names, means, yerr=errs, capsize=4, color=["#999", "#2a7", "#c73"])
+    right.set(ylabel="KL vs base full attention, held out", title=f"n = {summary['n']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,166 @@
+"""The tuning loop: LoRA on the attention and MLP projections, AdamW, checkpoints that resume.
+
+Why LoRA and not full fine-tuning: the adapter is 1-2% of the weights, so an 8B model tunes on
+one GPU with the optimizer state of a small model, and the teacher is the same weights with the
+adapter switched off (one copy in memory, not two). The merged folder is an ordinary model.
+
+A checkpoint (``checkpoints/last.pt``, written whole then renamed) holds the adapter, the
+optimizer and schedule, the step, the loss history and the RNG state; the item order is a
+function of the seed and the epoch, so a resumed run sees the same items in the same order as an
+uninterrupted one. ``settings`` must match to resume: another run's checkpoint is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minipic.tune import objective
+from span_contract.errors import BadInputError
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """Everything that decides the tuned weights (with the data); a checkpoint names them."""
+
+    model: str
+    steps: int
+    batch: int = 4  # items per optimizer step (gradient accumulation)
+    lr: float = 2e-4
+    warmup: float = 0.05  # share of steps
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    max_tokens: int = 16  # the teacher's answer length
+    block_size: int = 32
+    max_model_len: int = 2048
+    seed: int = 1
+    data_digest: str = ""
+
+    def digest(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def item_order(n_items: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(n_items))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def load_student(model_dir: str, settings: TuneSettings) -> Any:
+    """fp32 transformers model with a fresh LoRA adapter (seeded)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(settings.seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                attn_implementation="sdpa")
+    present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
+    targets = [t for t in LORA_TARGETS if t in present]
+    if not targets:
+        raise BadInputError(f"{model_dir}: none of the projections LoRA targets "
+                            f"({', '.join(LORA_TARGETS)}) exist in this model")
+    config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, lora_dropout=0.0,
+                        target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(base, config)
+
+
+class Checkpoints:
+    """``checkpoints/last.pt`` under the run folder, atomically replaced."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.path = folder / "last.pt"
+
+    def save(self, model: Any, optimizer: Any, schedule: Any, state: dict[str, Any]) -> None:
+        from peft import get_peft_model_state_dict
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        torch.save({"adapter": get_peft_model_state_dict(model),
+                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                    "torch_rng": torch.get_rng_state(), **state}, tmp)
+        os.replace(tmp, self.path)
+
+    def load(self, model: Any, optimizer: Any, schedule: Any, settings_digest: str) -> dict:
+        from peft import set_peft_model_state_dict
+
+        saved = torch.load(self.path, weights_only=False)
+        if saved.get("settings_digest") != settings_digest:
+            raise BadInputError(
+                f"{self.path} was written by a run with other settings or data "
+                f"({saved.get('settings')}); start over with a new --out, or drop --resume")
+        set_peft_model_state_dict(model, saved["adapter"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        torch.set_rng_state(saved["torch_rng"])
+        return saved
+
+
+def train(model: Any, builder: Any, items: list[Any], settings: TuneSettings, run_dir: Path, *,
+          resume: bool, save_every: int, progress: Callable[..., Any]) -> dict[str, Any]:
+    """Run the steps (from the last checkpoint when ``resume``); returns the loss history and
+    timings. Items that fail to lay out (too long for ``max_model_len``) are skipped and
+    counted, never fatal."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    schedule = get_cosine_schedule_with_warmup(
+        optimizer, math.ceil(settings.warmup * settings.steps), settings.steps)
+    checkpoints = Checkpoints(run_dir / "checkpoints")
+    state: dict[str, Any] = {"step": 0, "cursor": 0, "losses": [], "skipped": [],
+                             "seconds": 0.0,
+                             "settings": dataclasses.asdict(settings),
+                             "settings_digest": settings.digest()}
+    if resume and checkpoints.path.exists():
+        saved = checkpoints.load(model, optimizer, schedule, settings.digest())
+        state.update({k: saved[k] for k in ("step", "cursor", "losses", "skipped", "seconds")})
+    bar = progress(total=settings.steps, initial=state["step"], desc="tuning", unit="step")
+    model.train()
+    started = time.perf_counter() - state["seconds"]
+    while state["step"] < settings.steps:
+        optimizer.zero_grad(set_to_none=True)
+        step_losses = []
+        while len(step_losses) < settings.batch:
+            epoch, index = divmod(state["cursor"], len(items))
+            item = items[item_order(len(items), settings.seed, epoch)[index]]
+            state["cursor"] += 1
+            try:
+                with torch.no_grad(), model.disable_adapter():
+                    ex = objective.make_example(model, builder, item, settings.max_tokens)
+            except BadInputError as exc:
+                if len(state["skipped"]) >= len(items):
+                    raise BadInputError(f"no item could be laid out: {exc}") from exc
+                state["skipped"].append({"id": item.id, "error": str(exc)[:200]})
+                continue
+            target = objective.teacher_targets(model, ex)
+            loss = objective.distillation_loss(model, ex, target) / settings.batch
+            loss.backward()
+            step_losses.append(float(loss.detach()) * settings.batch)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        state["step"] += 1
+        state["losses"].append(sum(step_losses) / len(step_losses))
+        state["seconds"] = time.perf_counter() - started
+        bar.update(1)
+        bar.set_postfix(kl=f"{state['losses'][-1]:.3f}")
+        if state["step"] % save_every == 0 or state["step"] == settings.steps:
+            checkpoints.save(model, optimizer, schedule, state)
+    bar.close()
+    model.eval()
+    return state
