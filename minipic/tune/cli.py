@@ -67,6 +67,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from checkpoints/last.pt")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="tune on the good lines of a JSONL with bad ones (default: refuse)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when torch sees a GPU, else cpu), cpu or cuda")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="weights while tuning: auto = float32 on cpu, bfloat16 on cuda")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--seed", type=int, default=1, help="item draw, order and adapter init")
     p.set_defaults(func=run)
@@ -119,6 +123,13 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
     started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        return _fail(f"--device {args.device}: cpu, or cuda on a machine where torch sees a GPU")
+    dtype = args.dtype if args.dtype != "auto" else (
+        "bfloat16" if device == "cuda" else "float32")
     model_dir = resolve_model(args.model)
     if not Path(model_dir, "config.json").is_file():
         return _fail(f"--model {model_dir}: not a model folder (no config.json)")
@@ -131,12 +142,12 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
     settings = trainer.TuneSettings(
         model=model_dir, steps=steps, batch=args.batch, lr=args.lr, lora_rank=args.lora_rank,
         lora_alpha=2 * args.lora_rank, max_tokens=args.max_tokens, seed=args.seed,
-        data_digest=data_digest)
+        dtype=dtype, data_digest=data_digest)
     print(f"minipic tune: {len(loaded.train)} tuning items ({loaded.excluded} dropped as eval "
           f"items, {len(loaded.bad_lines)} bad lines skipped), {len(loaded.heldout)} held out; "
           f"{steps} steps × {args.batch}", flush=True)
     builder = _builder(model_dir, settings)
-    model = trainer.load_student(model_dir, settings)
+    model = trainer.load_student(model_dir, settings, device)
     args.out.mkdir(parents=True, exist_ok=True)
     state = trainer.train(model, builder, loaded.train, settings, args.out, resume=args.resume,
                           save_every=args.save_every, progress=tqdm)
@@ -153,7 +164,8 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": model_dir, "model_name": Path(model_dir).name, "out": str(args.out / "model"),
         **{k: getattr(settings, k) for k in ("steps", "batch", "lr", "lora_rank",
-                                             "lora_alpha", "max_tokens", "seed")},
+                                             "lora_alpha", "max_tokens", "seed", "dtype")},
+        "device": device,
         "method": "LoRA on " + ", ".join(trainer.LORA_TARGETS) + "; self-distillation "
                   "KL(base plain ‖ student block_attention) over question + greedy answer",
         "train_items": len(loaded.train), "skipped_items": len(state["skipped"]),
@@ -195,7 +207,7 @@ def _save_merged(model: Any, base_dir: str, target: Path, manifest: dict[str, An
 
     base_config = AutoConfig.from_pretrained(base_dir)
     dtype = getattr(base_config, "dtype", None) or getattr(base_config, "torch_dtype", None)
-    merged = model.merge_and_unload()
+    merged = model.merge_and_unload().to("cpu")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if isinstance(dtype, torch.dtype):

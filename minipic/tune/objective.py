@@ -51,7 +51,7 @@ def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
 @torch.no_grad()
 def greedy_answer(model: Any, prompt: Sequence[int], max_tokens: int, eos: int) -> list[int]:
     """The model's own greedy answer, EOS included when produced (never empty)."""
-    ids = torch.tensor([list(prompt)])
+    ids = torch.tensor([list(prompt)], device=model.device)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                          max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
                          pad_token_id=eos)
@@ -85,9 +85,11 @@ def log_probs(model: Any, ids: Sequence[int], keep: int,
     """``[keep, vocab]`` next-token log-probs at the last ``keep`` positions of ``ids``, under
     the block mask of ``runs`` (``()``: plain causal attention)."""
     length = len(ids)
-    out = model(input_ids=torch.tensor([list(ids)]),
-                attention_mask=additive_mask(block_attention_allowed(length, runs)),
-                position_ids=torch.arange(length).unsqueeze(0), use_cache=False,
+    device = model.device
+    mask = additive_mask(block_attention_allowed(length, runs), model.dtype)
+    out = model(input_ids=torch.tensor([list(ids)], device=device),
+                attention_mask=mask.to(device),
+                position_ids=torch.arange(length, device=device).unsqueeze(0), use_cache=False,
                 logits_to_keep=keep)
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 

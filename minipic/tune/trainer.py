@@ -47,6 +47,7 @@ class TuneSettings:
     block_size: int = 32
     max_model_len: int = 2048
     seed: int = 1
+    dtype: str = "float32"  # of the weights while tuning; the merged model keeps the base's
     data_digest: str = ""
 
     def digest(self) -> str:
@@ -60,14 +61,15 @@ def item_order(n_items: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def load_student(model_dir: str, settings: TuneSettings) -> Any:
-    """fp32 transformers model with a fresh LoRA adapter (seeded)."""
+def load_student(model_dir: str, settings: TuneSettings, device: str = "cpu") -> Any:
+    """The transformers model (``settings.dtype``, on ``device``) with a fresh LoRA adapter
+    (seeded)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(settings.seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                attn_implementation="sdpa")
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype),
+                                                attn_implementation="sdpa").to(device)
     present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
     targets = [t for t in LORA_TARGETS if t in present]
     if not targets:
