@@ -44,6 +44,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
     p.add_argument("--url", help="a running `minipic serve` (default: an embedded engine)")
     p.add_argument("--model", default=None, help="embedded model (default SmolLM2-135M)")
+    p.add_argument("--reference-model", default=None,
+                   help="compare every mode with this model's full attention instead of the "
+                        "evaluated model's own (e.g. the base model of a `minipic tune` output; "
+                        "a second embedded engine, same tokenizer)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="items at once (their requests share engine steps; default 1)")
     p.add_argument("--max-words", type=int, default=80,
@@ -97,8 +101,17 @@ def run(args: argparse.Namespace) -> int:
           f"{'server ' + args.url if args.url else 'embedded engine'}")
     from orchestrator import Orchestrator
 
+    if args.reference_model and args.url:
+        print("minipic eval: --reference-model needs the embedded engine (no --url)")
+        return 2
     orc = Orchestrator.connect(args.url) if args.url else Orchestrator.embedded(args.model)
-    report = asyncio.run(_run(args, orc, items, modes, errors))
+    reference = Orchestrator.embedded(args.reference_model) if args.reference_model else None
+    if reference is not None and reference.builder.tokenizer.get_vocab() != (
+            orc.builder.tokenizer.get_vocab()):
+        print(f"minipic eval: --reference-model {args.reference_model} has another tokenizer: "
+              f"its answers cannot be compared token by token")
+        return 2
+    report = asyncio.run(_run(args, orc, items, modes, errors, reference))
     write(report, args.out)
     print(table(report))
     print(f"wrote {args.out}/eval.json, eval.md, eval.png")
@@ -106,9 +119,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, orc: Any, items: list[EvalItem], modes: list[str],
-               errors: list[dict[str, Any]]) -> dict[str, Any]:
+               errors: list[dict[str, Any]], reference: Any = None) -> dict[str, Any]:
     try:
         return await evaluate(orc, items, modes, max_tokens=args.max_tokens, errors=errors,
-                              seed=args.seed, concurrency=args.concurrency)
+                              seed=args.seed, concurrency=args.concurrency,
+                              reference_orc=reference)
     finally:
         await orc.backend.aclose()
+        if reference is not None:
+            await reference.backend.aclose()

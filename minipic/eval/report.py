@@ -18,22 +18,26 @@ __all__ = ["evaluate", "plot", "table", "write"]
 
 async def evaluate(orc: Any, items: Sequence[EvalItem], modes: Sequence[str] = DEFAULT_MODES,
                    *, max_tokens: int = 16, k: int = TOP_K, errors: Sequence[dict] = (),
-                   progress: bool = True, seed: int = 0, concurrency: int = 1
-                   ) -> dict[str, Any]:
-    """The report for ``items`` on ``orc`` (an ``Orchestrator``): summary, records, errors."""
+                   progress: bool = True, seed: int = 0, concurrency: int = 1,
+                   reference_orc: Any = None) -> dict[str, Any]:
+    """The report for ``items`` on ``orc`` (an ``Orchestrator``): summary, records, errors.
+    ``reference_orc``: the engine whose full attention every mode is compared with (default
+    ``orc``; the base model when ``orc`` serves a tuned one)."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(items), desc="eval", unit="item", disable=not progress)
     started = time.perf_counter()
     try:
         records, failed = await run_items(orc, items, modes, max_tokens=max_tokens, k=k,
-                                          concurrency=concurrency, progress=bar.update)
+                                          concurrency=concurrency, progress=bar.update,
+                                          reference_orc=reference_orc)
     finally:
         bar.close()
     summary = summarize(records, modes, seed=seed)
     info = orc.backend.info
     return finite({
-        "engine": {"kind": info.kind, "model": info.model, "max_model_len": info.max_model_len},
+        "engine": {"kind": info.kind, "model": info.model, "max_model_len": info.max_model_len,
+                   "reference_model": (reference_orc or orc).backend.info.model},
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "python": platform.python_version()},
         "settings": {"modes": list(modes), "max_tokens": max_tokens, "top_k": k,

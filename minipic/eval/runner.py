@@ -81,13 +81,16 @@ async def _answer(orc: Any, item: EvalItem, prompt: Any, spec: str, max_tokens: 
 
 
 async def evaluate_item(orc: Any, item: EvalItem, modes: Sequence[str], *, max_tokens: int,
-                        k: int) -> dict[str, Any]:
+                        k: int, reference_orc: Any = None) -> dict[str, Any]:
+    """``reference_orc``: another engine whose full attention is the reference (the base model
+    of a tuned one: the answers a user had before tuning); default ``orc`` itself."""
     backend = orc.backend
-    full_built = _build(orc, item, "prefix", max_tokens)
+    ref_orc = reference_orc or orc
+    full_built = _build(ref_orc, item, "prefix", max_tokens)
     full_prompt = full_built.prompt_token_ids
-    full = await _answer(orc, item, full_built, "full", max_tokens)
+    full = await _answer(ref_orc, item, full_built, "full", max_tokens)
     answer_ids = list(full.token_ids) or [orc.builder.tokenizer.eos_token_id]
-    reference = await _teacher_forced(backend, full_prompt, answer_ids, k, spans=False)
+    reference = await _teacher_forced(ref_orc.backend, full_prompt, answer_ids, k, spans=False)
     record: dict[str, Any] = {
         "id": item.id, "source": item.source, "question": item.question,
         "gold": item.answer, "documents": len(item.documents),
@@ -164,7 +167,7 @@ def summarize(records: list[dict[str, Any]], modes: Sequence[str], *, resamples:
                                            for row, r in zip(rows, records, strict=True)])
         out["modes"][mode] = summary
     pairs = [(a, "block_attention") for a in modes
-             if a.startswith("boundary_recompute") or a == "prefix"]
+             if a.startswith(("boundary_recompute", "selective")) or a == "prefix"]
     for a, b in pairs:
         if b in modes:
             ra = [r["modes"][a] for r in records]
@@ -194,7 +197,7 @@ def verdict(summary: dict[str, Any]) -> str | None:
 
 async def run_items(orc: Any, items: Sequence[EvalItem], modes: Sequence[str], *,
                     max_tokens: int = 16, k: int = TOP_K, concurrency: int = 1,
-                    progress: Callable[[], None] | None = None
+                    progress: Callable[[], None] | None = None, reference_orc: Any = None
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Records of the items that ran (in item order), and an error entry for each that failed
     (the run goes on: one bad item never loses the others). ``concurrency`` items run at once:
@@ -205,7 +208,8 @@ async def run_items(orc: Any, items: Sequence[EvalItem], modes: Sequence[str], *
     async def one(item: EvalItem) -> dict[str, Any] | Exception:
         async with gate:
             try:
-                return await evaluate_item(orc, item, modes, max_tokens=max_tokens, k=k)
+                return await evaluate_item(orc, item, modes, max_tokens=max_tokens, k=k,
+                                           reference_orc=reference_orc)
             except Exception as exc:  # per item: report it, keep going
                 return exc
             finally:

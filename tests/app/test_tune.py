@@ -177,10 +177,16 @@ def test_tuned_model_loads_in_vllm_and_eval_skips_its_tuning_items(tmp_path: Pat
     # eval on the merged folder: an embedded vLLM engine loads it; a tuning item is dropped
     tuned_row = next(r for r in rows if tune_data.question_digest(r["question"]) in trained)
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [tuned_row, *heldout, *random_items(rng, 1)])
-    assert main(["eval", "--model", str(run / "model"), "--data", str(mixed), "--modes",
-                 "block_attention", "--max-tokens", "3", "--out", str(tmp_path / "eval")]) == 0
+    # compared with the base model's full attention (a second engine): the user's question
+    assert main(["eval", "--model", str(run / "model"), "--reference-model", "tiny-llama",
+                 "--data", str(mixed), "--modes", "prefix,selective@0.5", "--max-tokens", "3",
+                 "--out", str(tmp_path / "eval")]) == 0
     out = capsys.readouterr().out
     assert "1 item(s) dropped: the model was tuned on them" in out
     scored = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert scored["summary"]["n"] == len(heldout) + 1
+    assert scored["engine"]["model"] == str(run / "model")
+    assert scored["engine"]["reference_model"] != scored["engine"]["model"]
+    assert scored["summary"]["modes"]["prefix"]["kl_mean"]["mean"] >= 0  # what tuning moved
+    assert set(scored["summary"]["modes"]) == {"prefix", "selective@0.5"}
     assert tuned_row["question"] not in {r["question"] for r in scored["items"]}
