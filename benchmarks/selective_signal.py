@@ -70,6 +70,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from minipic.tune.layout import additive_mask  # noqa: E402  (after the path set-up)
+from minipic.tune.objective import greedy_answer  # noqa: E402
+
 ATTN = "minipic_selective_probe"
 KV_LAYER = 1
 GRANULARITIES = ("token", "block")
@@ -132,13 +135,6 @@ def register_probe(model: Any) -> None:
     model.set_attn_implementation(ATTN)
 
 
-def additive(allowed: torch.Tensor) -> torch.Tensor:
-    """``allowed[q, k]`` (bool) as the 4D float mask the model takes as is."""
-    mask = torch.zeros(allowed.shape, dtype=torch.float32)
-    mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    return mask[None, None]
-
-
 @torch.inference_mode()
 def forward(model: Any, ids: Sequence[int], positions: Sequence[int], allowed: torch.Tensor,
             rows: Sequence[int], *, record_layers: Sequence[int] = (),
@@ -151,7 +147,8 @@ def forward(model: Any, ids: Sequence[int], positions: Sequence[int], allowed: t
     PROBE.start(record_layers=set(record_layers), question_rows=question_rows,
                 cached_k=cached[0] if cached else None, cached_v=cached[1] if cached else None)
     try:
-        hidden = model.model(input_ids=torch.tensor([list(ids)]), attention_mask=additive(allowed),
+        hidden = model.model(input_ids=torch.tensor([list(ids)]),
+                             attention_mask=additive_mask(allowed),
                              position_ids=torch.tensor([list(positions)]),
                              use_cache=False).last_hidden_state
     finally:
@@ -300,18 +297,6 @@ def signals_of(lay: Layout, mass: dict[int, torch.Tensor], kv_block: tuple[dict,
     for name in names:
         out[name] = candidates[name]().double().numpy()
     return out
-
-
-def greedy_answer(model: Any, prompt: list[int], max_tokens: int, eos: int) -> list[int]:
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
-                             pad_token_id=eos)
-    answer = out[0, len(prompt):].tolist()
-    if eos in answer:
-        answer = answer[: answer.index(eos) + 1]
-    return answer or [eos]
 
 
 def evaluate_item(model: Any, builder: Any, item: Any, index: int,

@@ -329,7 +329,8 @@ class PromptBuilder:
         ``truncate``, ``skip``; see ``prompt_builder.budget``). The result never exceeds the
         limit silently: it raises, or reports what was dropped or truncated.
         """
-        layout = make_layout(parse_mode(mode), self.span_config, recompute_tokens)
+        spec = parse_mode(mode)
+        layout = make_layout(spec, self.span_config, recompute_tokens)
         policy = coerce_policy(budget)
         question_own = self._question_ids(question)
         if system is not None and not isinstance(system, str):
@@ -370,7 +371,8 @@ class PromptBuilder:
                 f"prompt of {len(tokens)} tokens + max_tokens {max_tokens} exceeds {limit}"
             )
         built = self._assemble(layout.mode, tokens, segments, prepared, report)
-        return built.model_copy(update={"skipped_spans": skipped}) if skipped else built
+        text = str(spec) if recompute_tokens is None else f"{spec.mode.value}@{recompute_tokens}"
+        return built.model_copy(update={"mode_spec": text, "skipped_spans": skipped})
 
     def _fit(
         self,

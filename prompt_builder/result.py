@@ -60,6 +60,7 @@ class BuiltPrompt(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     mode: Mode
+    mode_spec: str = ""  # the mode as asked for, with its parameter: "selective@0.25"
     span_config: SpanConfig
     prompt_token_ids: list[int]
     # one request per distinct prefill, in the order to warm them (system first, then spans in

@@ -132,7 +132,8 @@ def evidence(prompt: BuiltPrompt, warm: set[str], sent: int, error: str | None) 
                       "index": span.index, "id": span.span_id, "tokens": span.token_count,
                       "status": status})
     out: dict[str, Any] = {
-        "mode": prompt.mode.value, "prompt_tokens": prompt.num_prompt_tokens,
+        "mode": prompt.mode.value, "mode_spec": prompt.mode_spec or prompt.mode.value,
+        "prompt_tokens": prompt.num_prompt_tokens,
         "expected_cached_tokens": prompt.expected_cached_tokens, "prefills_sent": sent,
         "spans": spans,
         "skipped_documents": [{"index": s.index, "id": s.span_id, "reason": s.reason}

@@ -124,6 +124,15 @@ def test_completions_route_takes_a_minipic_object(server, client, sdk, seed) -> 
     assert again.usage.prompt_tokens_details.cached_tokens == expected > 0
     answer = sdk.answer(question, [as_span_text(d) for d in docs], max_tokens=6)
     assert answer.text == first.choices[0].text and answer.cached_tokens == expected
+    # a budgeted mode in the request object: the SDK's layout and answer, byte for byte
+    body["minipic"]["mode"] = "selective@0.5"
+    chosen = client.completions.create(model="minipic", prompt="", max_tokens=6, temperature=0,
+                                       extra_body=body)
+    assert chosen.model_extra["minipic"]["mode_spec"] == "selective@0.5"
+    same = sdk.answer(question, [as_span_text(d) for d in docs], mode="selective@0.5",
+                      max_tokens=6)
+    assert same.text == chosen.choices[0].text, (same.text, chosen.choices[0].text)
+    assert chosen.model_extra["minipic"]["expected_cached_tokens"] == same.expected_cached_tokens
 
 
 def test_sampling_options_behave_as_on_the_plain_route(server, client, seed) -> None:
@@ -261,6 +270,8 @@ BAD_CHAT = [
     ({"documents": []}, "documents"),
     ({"documents": "one string"}, "documents"),
     ({"documents": [{"text": "x"}], "minipic": {"mode": "nope"}}, "minipic.mode"),
+    ({"documents": [{"text": "x"}], "minipic": {"mode": "selective@2"}}, "minipic.mode"),
+    ({"documents": [{"text": "x"}], "minipic": {"mode": "block_attention@3"}}, "minipic.mode"),
     ({"documents": [{"text": "x"}], "minipic": {"budget": "never"}}, "minipic.budget"),
     ({"documents": [{"text": "x"}], "minipic": {"colour": 1}}, "minipic.colour"),
     ({"documents": [{"text": "x"}], "tools": [{"type": "function",

@@ -1,0 +1,150 @@
+"""Quality against TTFT across ``minipic eval`` runs: the rows users choose a mode by.
+
+    python benchmarks/fidelity_frontier.py base=results/fidelity/base/eval.json \\
+        tuned=results/fidelity/tuned/eval.json --out results/fidelity
+
+Each input is one ``minipic eval`` report (its own engine, its full-attention reference and
+TTFTs measured side by side in that run). Every mode of every run becomes a row: KL(full ‖ mode)
+and top-1 agreement with paired CIs, greedy = full, warm TTFT p50 and its ratio to the same run's
+full attention and block_attention, and whether it meets the fidelity goal of issue 37 (top-1
+≥ 90%, KL ≤ 0.10, greedy = full ≥ 50%, TTFT ≤ 1.5× block_attention and ≤ 0.3× full attention).
+The Pareto frontier (lower KL, lower TTFT ratio) is drawn over all rows.
+
+Writes ``frontier.json``, ``frontier.md`` and ``frontier.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+GOAL = {"top1": 0.90, "kl": 0.10, "greedy": 0.50, "ttft_vs_block": 1.5, "ttft_vs_full": 0.3}
+
+
+def rows_of(label: str, report: dict[str, Any]) -> list[dict[str, Any]]:
+    s = report["summary"]
+    full_ms = s["full_attention"]["ttft_p50_ms"]
+    block = s["modes"].get("block_attention")
+    out = []
+    for mode, m in s["modes"].items():
+        ttft = m["ttft_p50_ms"]
+        row = {
+            "run": label, "mode": mode, "n": s["n"],
+            "model": report["engine"]["model"],
+            "reference_model": report["engine"].get("reference_model", report["engine"]["model"]),
+            "kl": m["kl_mean"]["mean"], "kl_ci": m["kl_mean"]["ci95"],
+            "top1": m["top1_agreement"]["mean"], "top1_ci": m["top1_agreement"]["ci95"],
+            "greedy": m["exact_match_full"]["mean"],
+            "ttft_ms": ttft, "full_ttft_ms": full_ms, "ttft_vs_full": ttft / full_ms,
+            "ttft_vs_block": ttft / block["ttft_p50_ms"] if block else None,
+        }
+        row["goal"] = {
+            "top1": row["top1"] >= GOAL["top1"], "kl": row["kl"] <= GOAL["kl"],
+            "greedy": row["greedy"] >= GOAL["greedy"],
+            "ttft_vs_full": row["ttft_vs_full"] <= GOAL["ttft_vs_full"],
+            "ttft_vs_block": (row["ttft_vs_block"] is not None
+                              and row["ttft_vs_block"] <= GOAL["ttft_vs_block"]),
+        }
+        out.append(row)
+    return out
+
+
+def frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows no other row beats on both KL and TTFT ratio (lower is better on both)."""
+    keep = []
+    for r in rows:
+        if not any(o is not r and o["kl"] <= r["kl"] and o["ttft_vs_full"] <= r["ttft_vs_full"]
+                   and (o["kl"], o["ttft_vs_full"]) != (r["kl"], r["ttft_vs_full"])
+                   for o in rows):
+            keep.append(r)
+    return sorted(keep, key=lambda r: r["ttft_vs_full"])
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def ci(v: float, c: list[float], scale: float = 1.0, digits: int = 3) -> str:
+        return f"{v * scale:.{digits}f} [{c[0] * scale:.{digits}f}, {c[1] * scale:.{digits}f}]"
+
+    def mark(ok: bool) -> str:
+        return "✓" if ok else "✗"
+
+    lines = ["| run | mode | n | KL(full ‖ mode) [CI] | top-1 agree, % [CI] | greedy = full | "
+             "warm TTFT p50 | × full | × block_attention | goal (top-1, KL, greedy, TTFT) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = r["goal"]
+        vs_block = f"{r['ttft_vs_block']:.2f}" if r["ttft_vs_block"] is not None else "—"
+        lines.append(
+            f"| {r['run']} | {r['mode']} | {r['n']} | {ci(r['kl'], r['kl_ci'])} | "
+            f"{ci(r['top1'], r['top1_ci'], 100, 1)} | {r['greedy'] * 100:.0f}% | "
+            f"{r['ttft_ms']:.0f} ms | {r['ttft_vs_full']:.2f} | {vs_block} | "
+            f"{mark(g['top1'])} {mark(g['kl'])} {mark(g['greedy'])} "
+            f"{mark(g['ttft_vs_full'] and g['ttft_vs_block'])} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], front: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    runs = sorted({r["run"] for r in rows})
+    markers = dict(zip(runs, "osD^v<>", strict=False))
+    for r in rows:
+        for ax, key, scale in ((left, "kl", 1.0), (right, "top1", 100.0)):
+            low, high = r[f"{key}_ci"]
+            y = r[key] * scale
+            ax.errorbar(r["ttft_vs_full"], y, yerr=[[y - low * scale], [high * scale - y]],
+                        fmt=markers[r["run"]], capsize=3)
+            ax.annotate(f"{r['run']}: {r['mode']}", (r["ttft_vs_full"], y), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
+    left.plot([r["ttft_vs_full"] for r in front], [r["kl"] for r in front], "k--", lw=1,
+              label="Pareto frontier")
+    left.axhline(GOAL["kl"], color="g", lw=1, ls=":", label=f"goal KL ≤ {GOAL['kl']}")
+    right.axhline(GOAL["top1"] * 100, color="g", lw=1, ls=":",
+                  label=f"goal top-1 ≥ {GOAL['top1'] * 100:.0f}%")
+    for ax in (left, right):
+        ax.axvline(GOAL["ttft_vs_full"], color="g", lw=1, ls=":")
+        ax.set_xlabel("warm TTFT p50 / full attention's (same run)")
+        ax.legend(fontsize=8)
+    left.set_ylabel("KL(full ‖ mode) per answer token")
+    right.set_ylabel("top-1 agreement with full attention, %")
+    left.set_title("closer to full attention is lower")
+    right.set_title("closer to full attention is higher")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="LABEL=path/to/eval.json")
+    parser.add_argument("--out", type=Path, default=Path("results/fidelity"))
+    args = parser.parse_args(argv)
+    rows = []
+    for spec in args.runs:
+        label, sep, path = spec.partition("=")
+        if not sep or not Path(path).is_file():
+            parser.error(f"{spec!r}: expected LABEL=path/to/eval.json (an existing file)")
+        rows += rows_of(label, json.loads(Path(path).read_text()))
+    front = frontier(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"goal": GOAL, "rows": rows,
+              "frontier": [(r["run"], r["mode"]) for r in front],
+              "meets_goal": [(r["run"], r["mode"]) for r in rows if all(r["goal"].values())]}
+    (args.out / "frontier.json").write_text(json.dumps(report, indent=1))
+    text = table(rows)
+    (args.out / "frontier.md").write_text(text + "\n")
+    plot(rows, front, args.out / "frontier.png")
+    print(text)
+    print(f"Pareto frontier: {report['frontier']}; "
+          f"meets the goal: {report['meets_goal'] or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
