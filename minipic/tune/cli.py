@@ -149,6 +149,9 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
     builder = _builder(model_dir, settings)
     model = trainer.load_student(model_dir, settings, device)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.resume and not (args.out / "checkpoints" / "last.pt").exists():
+        print(f"minipic tune: no checkpoint in {args.out}/checkpoints: starting from step 0",
+              flush=True)
     state = trainer.train(model, builder, loaded.train, settings, args.out, resume=args.resume,
                           save_every=args.save_every, progress=tqdm)
     tune_data.write_heldout(loaded.heldout, args.out / "heldout.jsonl")
