@@ -385,7 +385,9 @@ def test_selective_layout_recomputes_a_share_of_each_span_from_its_start(builder
                          mode="selective@0").prompt_token_ids == block.prompt_token_ids
     share = rng.choice([0.1, 0.15, 0.25, 0.4, 0.5, 0.75])
     built = builder.build(spans=docs, question="Which?", mode=f"selective@{share}")
-    assert built.mode is Mode.SELECTIVE
+    assert built.mode is Mode.SELECTIVE and built.mode_spec == f"selective@{share:g}"
+    again = builder.build(spans=docs, question="Which?", mode=f"selective@{share}")
+    assert again.prompt_token_ids == built.prompt_token_ids  # the same choice every time
     whole_blocks = {i.span_id: i.block_count for i in block.spans[1:]}
     for info in built.spans[1:]:
         segs = [s for s in built.segments if s.kind == "span" and s.span_id == info.span_id]
