@@ -71,6 +71,9 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                    help="auto (cuda when torch sees a GPU, else cpu), cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="weights while tuning: auto = float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"),
+                   help="recompute activations in the backward pass to save memory "
+                        "(auto: on with cuda)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--seed", type=int, default=1, help="item draw, order and adapter init")
     p.set_defaults(func=run)
@@ -147,7 +150,9 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
           f"items, {len(loaded.bad_lines)} bad lines skipped), {len(loaded.heldout)} held out; "
           f"{steps} steps × {args.batch}", flush=True)
     builder = _builder(model_dir, settings)
-    model = trainer.load_student(model_dir, settings, device)
+    checkpointing = args.gradient_checkpointing == "on" or (
+        args.gradient_checkpointing == "auto" and device == "cuda")
+    model = trainer.load_student(model_dir, settings, device, checkpointing)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.resume and not (args.out / "checkpoints" / "last.pt").exists():
         print(f"minipic tune: no checkpoint in {args.out}/checkpoints: starting from step 0",
@@ -156,7 +161,7 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
                           save_every=args.save_every, progress=tqdm)
     tune_data.write_heldout(loaded.heldout, args.out / "heldout.jsonl")
     records, errors = [], []
-    for item in tqdm(loaded.heldout, desc="held-out report", unit="item"):
+    for item in tqdm(loaded.heldout[: args.report_n], desc="held-out report", unit="item"):
         try:
             records.append(report.score_item(model, builder, item, args.max_tokens))
         except BadInputError as exc:

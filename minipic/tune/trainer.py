@@ -61,9 +61,12 @@ def item_order(n_items: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def load_student(model_dir: str, settings: TuneSettings, device: str = "cpu") -> Any:
+def load_student(model_dir: str, settings: TuneSettings, device: str = "cpu",
+                 checkpointing: bool = False) -> Any:
     """The transformers model (``settings.dtype``, on ``device``) with a fresh LoRA adapter
-    (seeded)."""
+    (seeded). ``checkpointing``: recompute each layer's activations in the backward pass
+    instead of keeping them (what lets an 8B model's multi-thousand-token prompts fit on one
+    GPU; the gradients are the same)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -77,6 +80,9 @@ def load_student(model_dir: str, settings: TuneSettings, device: str = "cpu") ->
                             f"({', '.join(LORA_TARGETS)}) exist in this model")
     config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, lora_dropout=0.0,
                         target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.enable_input_require_grads()
     return get_peft_model(base, config)
 
 
@@ -132,7 +138,6 @@ def train(model: Any, builder: Any, items: list[Any], settings: TuneSettings, ru
         saved = checkpoints.load(model, optimizer, schedule, settings.digest())
         state.update({k: saved[k] for k in ("step", "cursor", "losses", "skipped", "seconds")})
     bar = progress(total=settings.steps, initial=state["step"], desc="tuning", unit="step")
-    model.train()
     started = time.perf_counter() - state["seconds"]
     while state["step"] < settings.steps:
         optimizer.zero_grad(set_to_none=True)
@@ -141,6 +146,7 @@ def train(model: Any, builder: Any, items: list[Any], settings: TuneSettings, ru
             epoch, index = divmod(state["cursor"], len(items))
             item = items[item_order(len(items), settings.seed, epoch)[index]]
             state["cursor"] += 1
+            model.eval()  # the teacher's answer and targets: inference, whatever trains
             try:
                 with torch.no_grad(), model.disable_adapter():
                     ex = objective.make_example(model, builder, item, settings.max_tokens)
@@ -150,6 +156,7 @@ def train(model: Any, builder: Any, items: list[Any], settings: TuneSettings, ru
                 state["skipped"].append({"id": item.id, "error": str(exc)[:200]})
                 continue
             target = objective.teacher_targets(model, ex)
+            model.train()
             loss = objective.distillation_loss(model, ex, target) / settings.batch
             loss.backward()
             step_losses.append(float(loss.detach()) * settings.batch)
