@@ -3,12 +3,14 @@
     minipic tune --out runs/smol                       # default model, built-in data
     minipic tune --model DIR --data mine.jsonl --out runs/mine --steps 200
     minipic tune --out runs/smol --resume              # go on from the last checkpoint
+    minipic tune --out runs/smol-full --method full    # every weight (small models)
 
 Self-distillation, no labels: the frozen model on the plain prompt is the teacher, the same
-model with a LoRA adapter under the block_attention layout (the engine's block mask) is the
-student, and the loss is KL(teacher ‖ student) over the question and the teacher's own greedy
-answer (``minipic/tune/objective.py``). Tuning items never overlap what ``minipic eval`` scores
-(``minipic/tune/data.py``).
+model with a LoRA adapter (or, --method full, all its weights) under the block_attention layout
+(the engine's block mask) is the student, and the loss is KL(teacher ‖ student) over the
+question and the teacher's own greedy answer (``minipic/tune/objective.py``). --keep-full adds
+the same KL with the student on the plain prompt, to hold the model's full-attention answers in
+place. Tuning items never overlap what ``minipic eval`` scores (``minipic/tune/data.py``).
 
 Writes to ``--out``:
   model/          the merged model (weights in the base model's dtype, tokenizer,
@@ -36,11 +38,14 @@ from typing import Any
 __all__ = ["add_subparser", "run"]
 
 MANIFEST = "minipic_tune.json"
+# the best of 2e-4 / 5e-4 (LoRA) and 1e-5 / 2e-5 / 5e-5 (full) at equal steps on SmolLM2; the
+# two bests learn alike (results/tune/methods/)
+DEFAULT_LR = {"lora": 5e-4, "full": 5e-5}
 
 
 def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "tune", help="block-attention tuning of a model by self-distillation (LoRA)",
+        "tune", help="block-attention tuning of a model by self-distillation (LoRA or full)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="run folder (see above)")
     p.add_argument("--model", default=None, help="model folder (default SmolLM2-135M)")
@@ -53,8 +58,17 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps (default: epochs × items / batch)")
     p.add_argument("--batch", type=int, default=4, help="items per step (default 4)")
-    p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
+    p.add_argument("--method", default="lora", choices=("lora", "full"),
+                   help="lora: an adapter on every projection, merged at the end (default; "
+                        "what fits an 8B model on one GPU); full: every weight, beside a frozen "
+                        "copy as the teacher")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default 5e-4 for lora, 5e-5 for full)")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--keep-full", type=float, default=0.0,
+                   help="weight of a second loss that keeps the plain prompt's answers where "
+                        "the base model had them (0: off, the default; costs one more forward "
+                        "pass per item)")
     p.add_argument("--max-tokens", type=int, default=16,
                    help="the teacher's answer length (default 16, as minipic eval)")
     p.add_argument("--passages", default="3-10",
@@ -70,7 +84,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto",
                    help="auto (cuda when torch sees a GPU, else cpu), cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="weights while tuning: auto = float32 on cpu, bfloat16 on cuda")
+                   help="weights while tuning: auto = float32, but bfloat16 for lora on cuda (the "
+                        "adapter itself stays float32)")
     p.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"),
                    help="recompute activations in the backward pass to save memory "
                         "(auto: on with cuda)")
@@ -92,8 +107,12 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--{name.replace('_', '-')} must be at least 1")
     if args.steps is not None and args.steps < 1:
         return _fail("--steps must be at least 1")
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.method]
     if not (args.lr > 0 and math.isfinite(args.lr)) or not args.epochs > 0:
         return _fail("--lr and --epochs must be positive numbers")
+    if not (args.keep_full >= 0 and math.isfinite(args.keep_full)):
+        return _fail("--keep-full must be 0 or a positive number")
     if args.report_n < 0:
         return _fail("--report-n must be 0 or more")
     try:
@@ -131,8 +150,12 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         return _fail(f"--device {args.device}: cpu, or cuda on a machine where torch sees a GPU")
+    if args.method == "full" and args.dtype == "bfloat16":
+        return _fail("--method full needs --dtype float32: in bfloat16 weights, AdamW steps "
+                     "smaller than 1/256 of a weight round away (LoRA keeps its adapter in "
+                     "float32 over a bfloat16 base)")
     dtype = args.dtype if args.dtype != "auto" else (
-        "bfloat16" if device == "cuda" else "float32")
+        "bfloat16" if device == "cuda" and args.method == "lora" else "float32")
     model_dir = resolve_model(args.model)
     if not Path(model_dir, "config.json").is_file():
         return _fail(f"--model {model_dir}: not a model folder (no config.json)")
@@ -145,25 +168,25 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
     settings = trainer.TuneSettings(
         model=model_dir, steps=steps, batch=args.batch, lr=args.lr, lora_rank=args.lora_rank,
         lora_alpha=2 * args.lora_rank, max_tokens=args.max_tokens, seed=args.seed,
-        dtype=dtype, data_digest=data_digest)
+        dtype=dtype, data_digest=data_digest, method=args.method, keep_full=args.keep_full)
     print(f"minipic tune: {len(loaded.train)} tuning items ({loaded.excluded} dropped as eval "
           f"items, {len(loaded.bad_lines)} bad lines skipped), {len(loaded.heldout)} held out; "
           f"{steps} steps × {args.batch}", flush=True)
     builder = _builder(model_dir, settings)
     checkpointing = args.gradient_checkpointing == "on" or (
         args.gradient_checkpointing == "auto" and device == "cuda")
-    model = trainer.load_student(model_dir, settings, device, checkpointing)
+    student = trainer.load_student(model_dir, settings, device, checkpointing)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.resume and not (args.out / "checkpoints" / "last.pt").exists():
         print(f"minipic tune: no checkpoint in {args.out}/checkpoints: starting from step 0",
               flush=True)
-    state = trainer.train(model, builder, loaded.train, settings, args.out, resume=args.resume,
+    state = trainer.train(student, builder, loaded.train, settings, args.out, resume=args.resume,
                           save_every=args.save_every, progress=tqdm)
     tune_data.write_heldout(loaded.heldout, args.out / "heldout.jsonl")
     records, errors = [], []
     for item in tqdm(loaded.heldout[: args.report_n], desc="held-out report", unit="item"):
         try:
-            records.append(report.score_item(model, builder, item, args.max_tokens))
+            records.append(report.score_item(student, builder, item, args.max_tokens))
         except BadInputError as exc:
             errors.append({"id": item.id, "error": str(exc)[:200]})
     summary = report.summarize(records, args.seed) if records else None
@@ -172,17 +195,17 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": model_dir, "model_name": Path(model_dir).name, "out": str(args.out / "model"),
         **{k: getattr(settings, k) for k in ("steps", "batch", "lr", "lora_rank",
-                                             "lora_alpha", "max_tokens", "seed", "dtype")},
-        "device": device,
-        "method": "LoRA on " + ", ".join(trainer.LORA_TARGETS) + "; self-distillation "
-                  "KL(base plain ‖ student block_attention) over question + greedy answer",
+                                             "lora_alpha", "max_tokens", "seed", "dtype",
+                                             "keep_full")},
+        "device": device, "gradient_checkpointing": checkpointing,
+        "method": settings.describe(),
         "train_items": len(loaded.train), "skipped_items": len(state["skipped"]),
         "wall_s": wall, "train_s": state["seconds"],
         "threads": torch.get_num_threads(),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__},
     }
-    _save_merged(model, model_dir, args.out / "model",
+    _save_merged(student, model_dir, args.out / "model",
                  {**meta, "settings": state["settings"], "data": loaded.manifest(),
                   "final_loss": state["losses"][-1] if state["losses"] else None})
     (args.out / "tune.json").write_text(json.dumps(
@@ -207,15 +230,15 @@ def _builder(model_dir: str, settings: Any) -> Any:
                                          pad_id=span.pad_id, max_model_len=settings.max_model_len)
 
 
-def _save_merged(model: Any, base_dir: str, target: Path, manifest: dict[str, Any]) -> None:
-    """The adapter folded into the weights, in the base model's dtype, with its tokenizer:
-    an ordinary model folder, written whole then renamed into place."""
+def _save_merged(student: Any, base_dir: str, target: Path, manifest: dict[str, Any]) -> None:
+    """The tuned weights (an adapter folded in), in the base model's dtype, with its
+    tokenizer: an ordinary model folder, written whole then renamed into place."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
     base_config = AutoConfig.from_pretrained(base_dir)
     dtype = getattr(base_config, "dtype", None) or getattr(base_config, "torch_dtype", None)
-    merged = model.merge_and_unload().to("cpu")
+    merged = student.merged().to("cpu")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if isinstance(dtype, torch.dtype):

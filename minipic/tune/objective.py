@@ -69,7 +69,7 @@ def layouts(builder: Any, item: Any, max_tokens: int) -> tuple[Any, Any]:
 
 
 def make_example(teacher: Any, builder: Any, item: Any, max_tokens: int) -> Example:
-    """``teacher``: the frozen model (call inside ``disable_adapter()`` for a peft model)."""
+    """``teacher``: the frozen model (``Student.base()``)."""
     plain, block = layouts(builder, item, max_tokens)
     eos = builder.tokenizer.eos_token_id
     answer = greedy_answer(teacher, plain.prompt_token_ids, max_tokens, eos)
@@ -99,13 +99,23 @@ def kl_rows(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     return (p_log.exp() * (p_log - q_log)).sum(-1)
 
 
-def teacher_targets(model: Any, ex: Example) -> torch.Tensor:
+def teacher_targets(teacher: Any, ex: Example) -> torch.Tensor:
     """The frozen model's log-probs over the shared positions (no grad)."""
-    with torch.no_grad(), model.disable_adapter():
-        return log_probs(model, ex.teacher_ids, ex.shared)
+    with torch.no_grad():
+        return log_probs(teacher, ex.teacher_ids, ex.shared)
 
 
-def distillation_loss(model: Any, ex: Example, target: torch.Tensor) -> torch.Tensor:
-    """Mean KL(teacher ‖ student) over the shared positions, with grad through the adapter."""
+def distillation_loss(model: Any, ex: Example, target: torch.Tensor,
+                      keep_full: float = 0.0) -> torch.Tensor:
+    """Mean KL(teacher ‖ student) over the shared positions, with grad through what trains.
+
+    ``keep_full`` > 0 adds that weight times the same KL with the student on the *plain* prompt:
+    why: tuning for the block mask moves the model's full-attention answers too, and a user
+    serves both kinds of request from one model; this term holds the plain ones in place at
+    the cost of a second forward pass."""
     student = log_probs(model, ex.student_ids, ex.shared, ex.runs)
-    return kl_rows(target, student).mean()
+    loss = kl_rows(target, student).mean()
+    if keep_full:
+        plain = log_probs(model, ex.teacher_ids, ex.shared)
+        loss = loss + keep_full * kl_rows(target, plain).mean()
+    return loss

@@ -29,11 +29,13 @@ ROWS = ("base_block", "tuned_block", "tuned_full")
 
 
 @torch.no_grad()
-def score_item(model: Any, builder: Any, item: Any, max_tokens: int) -> dict[str, Any]:
-    with model.disable_adapter():
-        ex = objective.make_example(model, builder, item, max_tokens)
-        reference = objective.log_probs(model, ex.teacher_ids, ex.shared)
-        base_block = objective.log_probs(model, ex.student_ids, ex.shared, ex.runs)
+def score_item(student: Any, builder: Any, item: Any, max_tokens: int) -> dict[str, Any]:
+    """``student``: a ``trainer.Student`` (the tuned weights and their base)."""
+    with student.base() as base:
+        ex = objective.make_example(base, builder, item, max_tokens)
+        reference = objective.log_probs(base, ex.teacher_ids, ex.shared)
+        base_block = objective.log_probs(base, ex.student_ids, ex.shared, ex.runs)
+    model = student.model
     tuned_block = objective.log_probs(model, ex.student_ids, ex.shared, ex.runs)
     tuned_full = objective.log_probs(model, ex.teacher_ids, ex.shared)
     answer_rows = slice(-len(ex.answer) - 1, -1)  # the rows that predict A's tokens
@@ -92,7 +94,7 @@ def _fmt(entry: dict[str, float], digits: int = 3, scale: float = 1.0) -> str:
 
 def table(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [f"# minipic tune: {meta['model_name']} → {meta['out']}", "",
-             f"{meta['steps']} steps × {meta['batch']} items, LoRA r={meta['lora_rank']}, "
+             f"{meta['steps']} steps × {meta['batch']} items, {meta['method']}, "
              f"lr {meta['lr']}, {meta['train_items']} tuning items, "
              f"{meta['wall_s'] / 60:.1f} min on {meta['threads']} threads.", "",
              f"Held-out items: n = {summary['n']}, scored against the base model's full "

@@ -1,8 +1,11 @@
-"""The tuning loop: LoRA on the attention and MLP projections, AdamW, checkpoints that resume.
+"""The tuning loop: LoRA (default) or full fine-tuning, AdamW, checkpoints that resume.
 
-Why LoRA and not full fine-tuning: the adapter is 1-2% of the weights, so an 8B model tunes on
-one GPU with the optimizer state of a small model, and the teacher is the same weights with the
-adapter switched off (one copy in memory, not two). The merged folder is an ordinary model.
+Why LoRA is the default: the adapter is 1-2% of the weights, so an 8B model tunes on one GPU
+with the optimizer state of a small model, and the teacher is the same weights with the adapter
+switched off (one copy in memory, not two). Full fine-tuning keeps a second, frozen copy as the
+teacher and AdamW state for every weight (about 16 bytes per parameter besides the two copies):
+it is there to be measured against LoRA (``results/tune/``), and for small models. Either way
+the output folder is an ordinary model.
 
 A checkpoint (``checkpoints/last.pt``, written whole then renamed) holds the adapter, the
 optimizer and schedule, the step, the loss history and the RNG state; the item order is a
@@ -19,7 +22,8 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,7 @@ from minipic.tune import objective
 from span_contract.errors import BadInputError
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+METHODS = ("lora", "full")
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class TuneSettings:
     model: str
     steps: int
     batch: int = 4  # items per optimizer step (gradient accumulation)
-    lr: float = 2e-4
+    lr: float = 5e-4  # the CLI's default for LoRA (full: 5e-5)
     warmup: float = 0.05  # share of steps
     lora_rank: int = 16
     lora_alpha: int = 32
@@ -49,6 +54,17 @@ class TuneSettings:
     seed: int = 1
     dtype: str = "float32"  # of the weights while tuning; the merged model keeps the base's
     data_digest: str = ""
+    method: str = "lora"  # or "full" (METHODS)
+    keep_full: float = 0.0  # weight of KL(base plain ‖ student plain) beside the block loss
+
+    def describe(self) -> str:
+        """One line for reports: what was trained, and on which loss."""
+        what = (f"LoRA r={self.lora_rank} α={self.lora_alpha} on "
+                + ", ".join(LORA_TARGETS) if self.method == "lora" else "full fine-tuning")
+        loss = "KL(base plain ‖ student block_attention)"
+        if self.keep_full:
+            loss += f" + {self.keep_full:g} × KL(base plain ‖ student plain)"
+        return f"{what}; self-distillation {loss} over question + greedy answer"
 
     def digest(self) -> str:
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -61,29 +77,92 @@ def item_order(n_items: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
+class Student:
+    """The weights being tuned and the frozen base they learn from.
+
+    Why one type for both methods: they differ only in where the base lives (LoRA: the same
+    weights with the adapter switched off; full: a second frozen copy), which weights train, what
+    a checkpoint holds and how the output folder is made. The loop and the report ask this
+    object and never the method.
+    """
+
+    def __init__(self, model: Any, method: str, frozen: Any = None) -> None:
+        self.model = model
+        self.method = method
+        self._frozen = frozen
+
+    @property
+    def device(self) -> Any:
+        return self.model.device
+
+    @contextmanager
+    def base(self) -> Iterator[Any]:
+        """The untuned model, to answer and score as the user's model does today."""
+        if self._frozen is not None:
+            yield self._frozen
+        else:
+            with self.model.disable_adapter():
+                yield self.model
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps: the adapter, or every weight."""
+        if self.method == "lora":
+            from peft import get_peft_model_state_dict
+
+            return get_peft_model_state_dict(self.model)
+        return self.model.state_dict()
+
+    def load_weights(self, saved: dict[str, torch.Tensor]) -> None:
+        if self.method == "lora":
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, saved)
+        else:
+            self.model.load_state_dict(saved)
+
+    def merged(self) -> Any:
+        """An ordinary transformers model holding the tuned weights."""
+        return self.model.merge_and_unload() if self.method == "lora" else self.model
+
+
 def load_student(model_dir: str, settings: TuneSettings, device: str = "cpu",
-                 checkpointing: bool = False) -> Any:
-    """The transformers model (``settings.dtype``, on ``device``) with a fresh LoRA adapter
-    (seeded). ``checkpointing``: recompute each layer's activations in the backward pass
-    instead of keeping them (what lets an 8B model's multi-thousand-token prompts fit on one
-    GPU; the gradients are the same)."""
-    from peft import LoraConfig, get_peft_model
+                 checkpointing: bool = False) -> Student:
+    """The transformers model (``settings.dtype``, on ``device``) made trainable by
+    ``settings.method``: a fresh LoRA adapter (seeded), or all weights beside a frozen copy.
+    ``checkpointing``: recompute each layer's activations in the backward pass instead of
+    keeping them (what lets an 8B model's multi-thousand-token prompts fit on one GPU; the
+    gradients are the same)."""
     from transformers import AutoModelForCausalLM
 
+    if settings.method not in METHODS:
+        raise BadInputError(f"method {settings.method!r}: one of {', '.join(METHODS)}")
+
+    def load() -> Any:
+        return AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, settings.dtype), attn_implementation="sdpa").to(device)
+
     torch.manual_seed(settings.seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype),
-                                                attn_implementation="sdpa").to(device)
+    base = load()
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.enable_input_require_grads()
+    if settings.method == "full":
+        frozen = load().eval().requires_grad_(False)
+        return Student(base, "full", frozen)
+    from peft import LoraConfig, get_peft_model
+
     present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
     targets = [t for t in LORA_TARGETS if t in present]
     if not targets:
         raise BadInputError(f"{model_dir}: none of the projections LoRA targets "
-                            f"({', '.join(LORA_TARGETS)}) exist in this model")
+                            f"({', '.join(LORA_TARGETS)}) exist in this model; "
+                            f"tune it with --method full")
     config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, lora_dropout=0.0,
                         target_modules=targets, bias="none", task_type="CAUSAL_LM")
-    if checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        base.enable_input_require_grads()
-    return get_peft_model(base, config)
+    return Student(get_peft_model(base, config), "lora")
 
 
 class Checkpoints:
@@ -93,39 +172,40 @@ class Checkpoints:
         self.folder = folder
         self.path = folder / "last.pt"
 
-    def save(self, model: Any, optimizer: Any, schedule: Any, state: dict[str, Any]) -> None:
-        from peft import get_peft_model_state_dict
-
+    def save(self, student: Student, optimizer: Any, schedule: Any,
+             state: dict[str, Any]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        torch.save({"adapter": get_peft_model_state_dict(model),
+        torch.save({"weights": student.weights(),
                     "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                     "torch_rng": torch.get_rng_state(), **state}, tmp)
         os.replace(tmp, self.path)
 
-    def load(self, model: Any, optimizer: Any, schedule: Any, settings_digest: str) -> dict:
-        from peft import set_peft_model_state_dict
-
+    def load(self, student: Student, optimizer: Any, schedule: Any,
+             settings_digest: str) -> dict:
         saved = torch.load(self.path, weights_only=False)
         if saved.get("settings_digest") != settings_digest:
             raise BadInputError(
                 f"{self.path} was written by a run with other settings or data "
                 f"({saved.get('settings')}); start over with a new --out, or drop --resume")
-        set_peft_model_state_dict(model, saved["adapter"])
+        student.load_weights(saved["weights"])
         optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
         torch.set_rng_state(saved["torch_rng"])
         return saved
 
 
-def train(model: Any, builder: Any, items: list[Any], settings: TuneSettings, run_dir: Path, *,
-          resume: bool, save_every: int, progress: Callable[..., Any]) -> dict[str, Any]:
+def train(student: Student, builder: Any, items: list[Any], settings: TuneSettings,
+          run_dir: Path, *, resume: bool, save_every: int, progress: Callable[..., Any],
+          on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the steps (from the last checkpoint when ``resume``); returns the loss history and
     timings. Items that fail to lay out (too long for ``max_model_len``) are skipped and
-    counted, never fatal."""
+    counted, never fatal. ``on_step`` sees the state after every step (a run cut short by a
+    time limit still leaves its loss curve)."""
     from transformers import get_cosine_schedule_with_warmup
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = student.trainable()
+    model = student.model
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     schedule = get_cosine_schedule_with_warmup(
         optimizer, math.ceil(settings.warmup * settings.steps), settings.steps)
@@ -135,7 +215,7 @@ def train(model: Any, builder: Any, items: list[Any], settings: TuneSettings, ru
                              "settings": dataclasses.asdict(settings),
                              "settings_digest": settings.digest()}
     if resume and checkpoints.path.exists():
-        saved = checkpoints.load(model, optimizer, schedule, settings.digest())
+        saved = checkpoints.load(student, optimizer, schedule, settings.digest())
         state.update({k: saved[k] for k in ("step", "cursor", "losses", "skipped", "seconds")})
     bar = progress(total=settings.steps, initial=state["step"], desc="tuning", unit="step")
     started = time.perf_counter() - state["seconds"]
@@ -148,16 +228,17 @@ def train(model: Any, builder: Any, items: list[Any], settings: TuneSettings, ru
             state["cursor"] += 1
             model.eval()  # the teacher's answer and targets: inference, whatever trains
             try:
-                with torch.no_grad(), model.disable_adapter():
-                    ex = objective.make_example(model, builder, item, settings.max_tokens)
+                with torch.no_grad(), student.base() as teacher:
+                    ex = objective.make_example(teacher, builder, item, settings.max_tokens)
+                    target = objective.teacher_targets(teacher, ex)
             except BadInputError as exc:
                 if len(state["skipped"]) >= len(items):
                     raise BadInputError(f"no item could be laid out: {exc}") from exc
                 state["skipped"].append({"id": item.id, "error": str(exc)[:200]})
                 continue
-            target = objective.teacher_targets(model, ex)
             model.train()
-            loss = objective.distillation_loss(model, ex, target) / settings.batch
+            loss = objective.distillation_loss(model, ex, target,
+                                               settings.keep_full) / settings.batch
             loss.backward()
             step_losses.append(float(loss.detach()) * settings.batch)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -169,7 +250,9 @@ def train(model: Any, builder: Any, items: list[Any], settings: TuneSettings, ru
         bar.update(1)
         bar.set_postfix(kl=f"{state['losses'][-1]:.3f}")
         if state["step"] % save_every == 0 or state["step"] == settings.steps:
-            checkpoints.save(model, optimizer, schedule, state)
+            checkpoints.save(student, optimizer, schedule, state)
+        if on_step is not None:
+            on_step(state)
     bar.close()
     model.eval()
     return state

@@ -42,6 +42,8 @@ def test_bad_options_and_bad_data_get_clear_errors(tmp_path: Path, capsys, seed)
         (["--steps", "0"], "--steps must be at least 1"),
         (["--batch", "0"], "--batch must be at least 1"),
         (["--lr", "nan"], "--lr and --epochs must be positive"),
+        (["--method", "full", "--lr", "-1"], "--lr and --epochs must be positive"),
+        (["--keep-full", "-0.5"], "--keep-full must be 0 or a positive number"),
         (["--passages", "5-2"], "--passages must be MIN-MAX"),
         (["--data", str(tmp_path / "missing.jsonl")], "no such file"),
         (["--data", "wikipedia"], "builtin (BIG-bench knowledge conflicts) or a .jsonl"),
@@ -81,11 +83,11 @@ def test_builtin_tuning_items_never_include_what_eval_scores(seed) -> None:
     assert sides == [tune_data.is_heldout("  " + r["question"].upper()) for r in rows]
 
 
-def _settings(model_dir: str, steps: int, seed: int):
+def _settings(model_dir: str, steps: int, seed: int, **extra):
     from minipic.tune.trainer import TuneSettings
 
     return TuneSettings(model=model_dir, steps=steps, batch=2, max_tokens=3, seed=seed,
-                        lr=1e-3)
+                        **{"lr": 1e-3, **extra})
 
 
 class _Crash(Exception):
@@ -112,10 +114,13 @@ def _progress_crashing_after(steps: int | None):
 
 
 @pytest.mark.fast
-def test_a_crashed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path: Path,
-                                                                      seed) -> None:
-    """Same adapter, bit for bit, whether the run was cut after a checkpoint and resumed (with
-    activation checkpointing on) or ran straight through."""
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_crashed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path: Path, seed,
+                                                                      method: str) -> None:
+    """Same tuned weights, bit for bit, whether the run was cut after a checkpoint and resumed
+    (with activation checkpointing on) or ran straight through; for both methods, the full one
+    with the plain-prompt term on. Only the tuned weights move: the base the student learns from
+    stays the untouched model."""
     from minipic.eval.datasets import EvalItem
     from minipic.tune import trainer
     from minipic.tune.cli import _builder
@@ -125,34 +130,42 @@ def test_a_crashed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path: 
     model_dir = resolve_model("tiny-llama")
     items = [EvalItem(**{k: v for k, v in r.items()})
              for r in random_items(random.Random(seed), 6)]
-    settings = _settings(model_dir, 4, seed % 1000)
+    extra = {"method": "full", "keep_full": 0.5, "lr": 1e-4} if method == "full" else {}
+    settings = _settings(model_dir, 4, seed % 1000, **extra)
     builder = _builder(model_dir, settings)
 
-    def adapter_after(run: Path, crash_after: int | None,
-                      checkpointing: bool = False) -> dict[str, torch.Tensor]:
-        model = trainer.load_student(model_dir, settings, checkpointing=checkpointing)
+    def tuned_after(run: Path, crash_after: int | None,
+                    checkpointing: bool = False) -> dict[str, torch.Tensor]:
+        student = trainer.load_student(model_dir, settings, checkpointing=checkpointing)
         try:
-            trainer.train(model, builder, items, settings, run, resume=False, save_every=2,
+            trainer.train(student, builder, items, settings, run, resume=False, save_every=2,
                           progress=_progress_crashing_after(crash_after))
         except _Crash:
             # a new process, in effect
-            model = trainer.load_student(model_dir, settings, checkpointing=checkpointing)
-            state = trainer.train(model, builder, items, settings, run, resume=True,
+            student = trainer.load_student(model_dir, settings, checkpointing=checkpointing)
+            state = trainer.train(student, builder, items, settings, run, resume=True,
                                   save_every=2, progress=_progress_crashing_after(None))
             assert state["step"] == 4 and len(state["losses"]) == 4
-        from peft import get_peft_model_state_dict
+        with student.base() as base:
+            untouched = base.state_dict()
+        pristine = trainer.load_student(model_dir, settings)
+        with pristine.base() as fresh:
+            pristine_weights = fresh.state_dict()
+        # (a LoRA base is the same module with the adapter off: its adapter weights are not base)
+        assert all(torch.equal(v, pristine_weights[k]) for k, v in untouched.items()
+                   if "lora_" not in k)
+        return student.weights()
 
-        return get_peft_model_state_dict(model)
-
-    whole = adapter_after(tmp_path / "whole", None)
+    whole = tuned_after(tmp_path / "whole", None)
     # dies in step 3, after step 2's save; recomputing activations (what a GPU user turns on
     # for long prompts) must not change a gradient either
-    resumed = adapter_after(tmp_path / "crashed", 2, checkpointing=True)
+    resumed = tuned_after(tmp_path / "crashed", 2, checkpointing=True)
     assert whole.keys() == resumed.keys()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert any(bool(v.abs().sum()) for k, v in whole.items() if "lora_B" in k)  # it learned
+    initial = trainer.load_student(model_dir, settings).weights()
+    assert any(not torch.equal(v, initial[k]) for k, v in whole.items())  # it learned
     # another run's checkpoint is refused, not silently mixed in
-    other = _settings(model_dir, 5, seed % 1000)
+    other = _settings(model_dir, 5, seed % 1000, **extra)
     with pytest.raises(tune_data.BadInputError, match="other settings"):
         trainer.train(trainer.load_student(model_dir, other), builder, items, other,
                       tmp_path / "whole", resume=True, save_every=2,
