@@ -1,5 +1,7 @@
 """Every change minipic makes to vLLM is in the patch table, and engine_ext's rooms stay apart.
 
+* Enabled, the plugin patches both bindings of vLLM's block hasher and installs exactly the
+  features asked for (``test_plugin_states`` checks that it is inert when not enabled).
 * The methods minipic adds to vLLM classes are rows of kind "adds": installed, each carries its
   row's mark and parameters; a vLLM that already defines the name is refused.
 * Every attribute minipic sets on vLLM objects is named in ``engine_ext/vllm_surface/added_names``
@@ -27,10 +29,14 @@ pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_EXT = ROOT / "engine_ext"
 
+FEATURES = ("hash", "holes", "rope", "ckpt")
 PROBE = """
 import inspect, json
 from vllm.plugins import load_general_plugins
 load_general_plugins()
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.engine import core
+from engine_ext.plugin import active_state
 from engine_ext.span_store import stats
 stats.install()
 from engine_ext.vllm_surface import patches
@@ -43,24 +49,38 @@ for p in patches.PATCH_POINTS:
     rows.append({"target": p.target, "feature": p.feature, "params": list(p.params),
                  "got": list(inspect.signature(value).parameters),
                  "marked": f"{p.feature}:{p.target}" in getattr(value, PATCH_MARK_ATTR, ())})
-print(json.dumps(rows))
+print(json.dumps({
+    "rows": rows,
+    "kcu_patched": getattr(kv_cache_utils.get_request_block_hasher, "_minipic", False),
+    "core_patched": getattr(core.get_request_block_hasher, "_minipic", False),
+    "installed": sorted(active_state()["installed"]),
+}))
 """
 
 
-def _probe(features: tuple[str, ...]) -> list[dict]:
+@pytest.fixture(scope="module")
+def enabled_plugin() -> dict:
+    """What a fresh process with the plugin enabled sees (one vLLM import for the module)."""
     cfg = SpanConfig(block_size=32, ssep_id=5, pdep_id=11, pad_id=16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MINIPIC_")}
-    env.update(cfg.to_env(features))
+    env.update(cfg.to_env(FEATURES))
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_added_methods_are_table_rows_installed_with_their_parameters() -> None:
+def test_enabled_plugin_patches_every_binding_and_installs_what_was_asked(
+        enabled_plugin: dict) -> None:
+    assert enabled_plugin["kcu_patched"] is True and enabled_plugin["core_patched"] is True
+    assert enabled_plugin["installed"] == sorted(FEATURES)
+
+
+def test_added_methods_are_table_rows_installed_with_their_parameters(
+        enabled_plugin: dict) -> None:
     from engine_ext.vllm_surface import patches
 
-    rows = _probe(("hash", "holes", "rope", "ckpt"))
+    rows = enabled_plugin["rows"]
     expected = {p.target for p in patches.PATCH_POINTS if p.kind == "adds" and p.applies_here()}
     assert {r["target"] for r in rows} == expected and len(expected) >= 5
     for row in rows:
