@@ -2,10 +2,8 @@
 
 Both run real engines (tiny model) in subprocesses and read their real stdout / stderr:
 
-- the demo's terminal output: its own step lines and summary, none of vLLM's log lines or
-  known-noise warnings, no "leaked shared_memory" at exit; with ``--engine-log FILE`` the
-  engines' log (INFO included) is in the file and not on the terminal (the agent example's
-  output, without that flag: ``test_quiet_output``);
+- the demo's terminal output: its own step lines, none of vLLM's known-noise warnings, no
+  "leaked shared_memory" at exit;
 - the shutdown path: an embedded engine whose worker needs 6 s to exit (stopped with SIGSTOP,
   resumed with SIGCONT: on a loaded 2-core machine it measurably took longer than 5 s) must
   still release its shared memory. With vLLM's default 5 s grace the EngineCore was SIGKILLed
@@ -26,17 +24,12 @@ import re
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 from support.background import Background
 
 from minipic.engine_logs import KNOWN_NOISE, NOISE_FILTER_ENV
 
-# vLLM's log format: "(EngineCore pid=123) INFO 12-01 11:20:59 [core.py:91] ..."
-VLLM_LOG = re.compile(r"\((\w|-)+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR) ")
-# ... and its progress bars (tqdm, on stderr: fine there, not on stdout)
-VLLM_LINE = re.compile(VLLM_LOG.pattern + "|Loading safetensors")
 pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,17 +46,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Background]:
     folder = tmp_path_factory.mktemp("first-run")
     script = folder / "slow_teardown.py"
     script.write_text(SLOW_TEARDOWN)
-    log = folder / "engine.log"
     return {
         "demo": Background(folder, "demo", [sys.executable, "-m", "minipic.cli", "demo",
                                             "--model", "tiny-llama", "--questions", "1",
-                                            "--max-tokens", "2", "--engine-log", str(log)],
-                           _env(), ROOT),
-        "engine_log": log,
+                                            "--max-tokens", "2"], _env(), ROOT),
         "slow_teardown": Background(folder, "slow_teardown", [sys.executable, str(script)],
                                     _env(VLLM_LOGGING_LEVEL="INFO",
                                          VLLM_LOGGING_STREAM="ext://sys.stderr",
@@ -71,14 +61,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def test_demo_output_has_progress_lines_and_no_known_noise(runs: dict[str, Any]) -> None:
+def test_demo_output_has_progress_lines_and_no_known_noise(runs: dict[str, Background]) -> None:
     done = runs["demo"].result()
     assert done.returncode == 0, done.stderr[-3000:]
-    # stdout is the demo's own: no vLLM log line, and its summary
-    assert [line for line in done.stdout.splitlines() if VLLM_LINE.search(line)] == []
-    assert "summary" in done.stdout and "TTFT ratio" in done.stdout
-    assert not VLLM_LOG.search(done.stderr), "--engine-log: no engine log on the terminal"
-    assert "INFO" in runs["engine_log"].read_text()  # ... they are in the file, INFO included
     # what it does, then how long it took (stdout is a pipe here: lines, not a spinner)
     for step in ("loading the corpus", "starting the vLLM engine (eager)",
                  "engine ready (eager) in", "first request done in"):
@@ -119,7 +104,7 @@ SLOW_TEARDOWN = textwrap.dedent("""
 """)
 
 
-def test_embedded_close_releases_shared_memory_when_teardown_is_slow(runs: dict[str, Any]
+def test_embedded_close_releases_shared_memory_when_teardown_is_slow(runs: dict[str, Background]
                                                                      ) -> None:
     done = runs["slow_teardown"].result()
     assert done.returncode == 0, done.stderr[-3000:]

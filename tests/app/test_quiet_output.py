@@ -1,9 +1,8 @@
-"""The examples print their own output on stdout, and nothing of vLLM's.
+"""The examples and the demo print their own output on stdout, and nothing of vLLM's.
 
 vLLM logs at INFO to stdout by default, from the script's process and from each engine process;
-``examples/agent_tool_memory.py`` used to interleave dozens of those lines with its own. The test
-runs the real script in a subprocess on the tiny model and reads its stdout. (The demo's own
-output, with ``--engine-log``: ``test_demo_first_run``, which runs the demo once for both.)
+``examples/agent_tool_memory.py`` used to interleave dozens of those lines with its own. Each
+test runs the real script in a subprocess on the tiny model and reads its stdout.
 """
 
 from __future__ import annotations
@@ -37,11 +36,16 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The script, started in the background (``tests/support/background.py``)."""
+    """Both scripts, started together (``tests/support/background.py``)."""
     folder = tmp_path_factory.mktemp("quiet")
+    log = folder / "engine.log"
+    demo = ["-m", "minipic.cli", "demo", "--model", "tiny-llama", "--eager", "--questions", "1",
+            "--max-tokens", "2", "--engine-log", str(log)]
     return {
         "agent": Background(folder, "agent", [sys.executable, "examples/agent_tool_memory.py",
                                               "--model", "tiny-llama"], _env(), ROOT),
+        "demo": Background(folder, "demo", [sys.executable, *demo], _env(), ROOT),
+        "engine_log": log,
     }
 
 
@@ -59,3 +63,12 @@ def test_agent_example_stdout_is_its_own(runs: dict[str, Any]) -> None:
     # and every error through: tests/app/test_engine_noise_filter.py)
     assert [e for e in KNOWN_NOISE if e.seen_in(done.stderr)] == []
 
+
+def test_demo_stdout_is_its_own(runs: dict[str, Any]) -> None:
+    log = runs["engine_log"]
+    done = runs["demo"].result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert engine_lines(done.stdout) == []
+    assert "summary" in done.stdout and "TTFT ratio" in done.stdout
+    assert not VLLM_LOG.search(done.stderr), "--engine-log: no engine log on the terminal"
+    assert "INFO" in log.read_text()  # ... they are in the file, INFO included
