@@ -7,7 +7,7 @@ teacher and AdamW state for every weight (about 16 bytes per parameter besides t
 it is there to be measured against LoRA (``results/tune/``), and for small models. Either way
 the output folder is an ordinary model.
 
-A checkpoint (``checkpoints/last.pt``, written whole then renamed) holds the adapter, the
+A checkpoint (``checkpoints/last.pt``, written whole then renamed) holds the tuned weights, the
 optimizer and schedule, the step, the loss history and the RNG state; the item order is a
 function of the seed and the epoch, so a resumed run sees the same items in the same order as an
 uninterrupted one. ``settings`` must match to resume: another run's checkpoint is refused.
@@ -90,10 +90,6 @@ class Student:
         self.model = model
         self.method = method
         self._frozen = frozen
-
-    @property
-    def device(self) -> Any:
-        return self.model.device
 
     @contextmanager
     def base(self) -> Iterator[Any]:
