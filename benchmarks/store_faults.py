@@ -10,15 +10,22 @@ through the store. Kinds:
 
 * ``bit_flip`` (one random bit anywhere in the file), ``truncate``, ``extend``;
 * ``foreign_fingerprint``: a valid entry another model/config wrote under this key;
-* ``forged_unkeyed``: a well-formed entry whose digest is a plain sha256 (no secret);
-* ``forged_other_secret``: a well-formed entry MAC-ed under a secret that is not this store's;
-* ``other_store_copy``: a valid entry of the same key copied from another store directory;
+* ``forged_unkeyed``: a well-formed entry whose digest is a plain sha256 (no secret), claiming
+  this store's key id (it is public: every entry header carries it);
+* ``forged_other_secret``: a well-formed entry MAC-ed under a secret that is not this store's,
+  claiming this store's key id;
+* ``other_store_copy`` (another key): a valid entry of the same key copied from another store
+  directory, under that store's key id -- what every entry looks like after a key rotation;
+* ``secret_other_owner``: another user (uid 65534) created the store folder's secret first,
+  mode 0600, and planted an entry MAC-ed under it (needs root; otherwise counted as skipped);
 * ``renamed``: a valid entry of another key of this store, under this key's name;
 * ``symlink``: a symlink to a valid copy of this very entry kept outside the store;
 * ``fifo``, ``folder``, ``oversized`` (a sparse file larger than the tier).
 
-A control entry is read after every case: it must still load. Writes ``<out>.json`` and
-``<out>.md``: per kind, cases, misses, loaded (must be 0) and the slowest read.
+A control entry is read after every case: it must still load. Kinds whose file is valid data of
+someone else (``foreign_fingerprint``, ``other_store_copy``) must also stay on disk: a miss,
+never a deletion. Writes ``<out>.json`` and ``<out>.md``: per kind, cases, misses, loaded (must
+be 0), valid entries deleted (must be 0) and the slowest read.
 """
 
 from __future__ import annotations
@@ -49,12 +56,14 @@ from engine_ext.span_store.tiers import (  # noqa: E402
     Entry,
     TieredStore,
 )
-from engine_ext.span_store.tiers.files import entry_mac  # noqa: E402
+from engine_ext.span_store.tiers.files import SECRET_NAME, entry_mac, key_id  # noqa: E402
 
 FINGERPRINT = "fault-injection|model=tiny|dtype=float32|bs=16"
 KINDS = ("bit_flip", "truncate", "extend", "foreign_fingerprint", "forged_unkeyed",
          "forged_other_secret", "other_store_copy", "renamed", "symlink", "fifo", "folder",
-         "oversized")
+         "oversized", "secret_other_owner")
+KEPT_KINDS = ("foreign_fingerprint", "other_store_copy")  # someone's valid entry: stays
+OTHER_UID = 65534
 CAPACITY = 64 << 20
 
 
@@ -63,12 +72,15 @@ def _entry(rng: random.Random) -> Entry:
                  {"home": rng.randrange(0, 4096), "layers": 2, "page_bytes": 4096})
 
 
-def _forge(key: str, entry: Entry, mac_key: bytes | None, fingerprint: str = FINGERPRINT
-          ) -> bytes:
+def _forge(key: str, entry: Entry, mac_key: bytes | None, fingerprint: str = FINGERPRINT,
+          claimed_key_id: bytes | None = None) -> bytes:
     """A well-formed entry file whose digest is a plain sha256 (``mac_key`` None) or a MAC
-    under ``mac_key``."""
+    under ``mac_key``, naming ``claimed_key_id`` (default: ``mac_key``'s own id, or zeros)."""
     fp, meta = fingerprint.encode(), entry.meta_json
-    fixed = struct.pack("<8sHHIQ", MAGIC, FORMAT_VERSION, len(fp), len(meta), len(entry.payload))
+    if claimed_key_id is None:
+        claimed_key_id = key_id(mac_key) if mac_key is not None else bytes(8)
+    fixed = struct.pack("<8sHHIQ8s", MAGIC, FORMAT_VERSION, len(fp), len(meta),
+                        len(entry.payload), claimed_key_id)
     if mac_key is None:
         key_b = key.encode()
         digest = hashlib.sha256(fixed[:HASHED_HEADER_BYTES] + struct.pack("<H", len(key_b))
@@ -98,10 +110,17 @@ class Injector:
     def key(self) -> str:
         return self.rng.randbytes(32).hex()
 
-    def case(self, kind: str) -> tuple[bool, float]:
-        """Apply one fault of ``kind`` under a fresh key; (loaded, read seconds)."""
+    @property
+    def our_key_id(self) -> bytes:
+        return key_id((self.work / "store" / SECRET_NAME).read_bytes())
+
+    def case(self, kind: str) -> tuple[bool | None, float, bool]:
+        """Apply one fault of ``kind`` under a fresh key; (loaded, read seconds, a valid entry
+        was deleted). Loaded is None for a case this machine cannot set up."""
         rng, key, entry = self.rng, self.key(), _entry(self.rng)
         path = self.tier.entry_path(key)
+        if kind == "secret_other_owner":
+            return self._secret_other_owner(key, entry)
         if kind == "foreign_fingerprint":
             assert self.foreign.put(key, entry)
         else:
@@ -115,9 +134,10 @@ class Injector:
             elif kind == "extend":
                 raw += rng.randbytes(rng.randrange(1, 1000))
             elif kind == "forged_unkeyed":
-                raw = bytearray(_forge(key, entry, None))
+                raw = bytearray(_forge(key, entry, None, claimed_key_id=self.our_key_id))
             elif kind == "forged_other_secret":
-                raw = bytearray(_forge(key, entry, secrets.token_bytes(32)))
+                raw = bytearray(_forge(key, entry, secrets.token_bytes(32),
+                                       claimed_key_id=self.our_key_id))
             elif kind == "other_store_copy":
                 assert self.elsewhere.put(key, entry)
                 raw = bytearray(self.elsewhere.entry_path(key).read_bytes())
@@ -143,8 +163,32 @@ class Injector:
         seconds = time.perf_counter() - started
         if self.store.get(self.control) != (self.control_entry, "disk"):
             raise AssertionError(f"the control entry stopped loading after a {kind} case")
+        deleted = kind in KEPT_KINDS and not path.is_file()
         self._clean(path)
-        return got is not None, seconds
+        return got is not None, seconds, deleted
+
+    def _secret_other_owner(self, key: str, entry: Entry) -> tuple[bool | None, float, bool]:
+        """A store folder whose secret another user created first, with an entry they MAC-ed
+        under it: the tier must refuse the folder (unusable), so nothing loads."""
+        if self.store.get(self.control) != (self.control_entry, "disk"):
+            raise AssertionError("the control entry stopped loading")
+        if os.geteuid() != 0:
+            return None, 0.0, False
+        root = self.work / f"planted-{key[:8]}"
+        root.mkdir(mode=0o700)
+        secret = secrets.token_bytes(32)
+        (root / SECRET_NAME).write_bytes(secret)
+        os.chmod(root / SECRET_NAME, 0o600)
+        os.chown(root / SECRET_NAME, OTHER_UID, OTHER_UID)
+        (root / key[:2]).mkdir(mode=0o700)
+        (root / key[:2] / f"{key}.kvb").write_bytes(_forge(key, entry, secret))
+        started = time.perf_counter()
+        tier = DirTier(root, CAPACITY, FINGERPRINT, fsync=False)
+        got = tier.get(key)
+        seconds = time.perf_counter() - started
+        loaded = got is not None or tier.usable
+        shutil.rmtree(root)
+        return loaded, seconds, False
 
     def _clean(self, path: Path) -> None:
         if path.is_dir() and not path.is_symlink():
@@ -162,6 +206,7 @@ def run(cases: int, seed: int, work: Path | None = None, progress: bool = True) 
     try:
         injector = Injector(work, seed)
         tally: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
+        deleted: Counter[str] = Counter()
         slowest = dict.fromkeys(KINDS, 0.0)
         bar = None
         if progress:
@@ -170,9 +215,10 @@ def run(cases: int, seed: int, work: Path | None = None, progress: bool = True) 
             bar = tqdm(total=cases, desc="fault cases", unit="case")
         for i in range(cases):
             kind = KINDS[i % len(KINDS)]
-            loaded, seconds = injector.case(kind)
+            loaded, seconds, was_deleted = injector.case(kind)
             tally[kind]["cases"] += 1
-            tally[kind]["loaded" if loaded else "misses"] += 1
+            tally[kind]["skipped" if loaded is None else "loaded" if loaded else "misses"] += 1
+            deleted[kind] += was_deleted
             slowest[kind] = max(slowest[kind], seconds)
             if bar is not None:
                 bar.update()
@@ -182,11 +228,14 @@ def run(cases: int, seed: int, work: Path | None = None, progress: bool = True) 
         stats = injector.tier.stats()
         return {"seed": seed, "cases": cases,
                 "kinds": {k: {"cases": t["cases"], "misses": t["misses"],
-                              "loaded": t["loaded"], "slowest_read_ms": slowest[k] * 1e3}
+                              "loaded": t["loaded"], "skipped": t["skipped"],
+                              "valid_deleted": deleted[k], "slowest_read_ms": slowest[k] * 1e3}
                           for k, t in tally.items()},
                 "loaded": sum(t["loaded"] for t in tally.values()),
                 "misses": sum(t["misses"] for t in tally.values()),
-                "tier": {k: stats[k] for k in ("corrupt_removed", "foreign_skipped", "hits")}}
+                "valid_deleted": sum(deleted.values()),
+                "tier": {k: stats[k] for k in ("corrupt_removed", "foreign_skipped",
+                                               "other_key_skipped", "hits")}}
     finally:
         if owned:
             shutil.rmtree(work, ignore_errors=True)
@@ -194,10 +243,13 @@ def run(cases: int, seed: int, work: Path | None = None, progress: bool = True) 
 
 def markdown(result: dict) -> str:
     lines = [f"Fault injection over the span store: {result['cases']} cases, seed "
-             f"{result['seed']}: {result['misses']} misses, {result['loaded']} loaded.", "",
-             "| fault | cases | misses | loaded | slowest read (ms) |", "|---|---|---|---|---|"]
+             f"{result['seed']}: {result['misses']} misses, {result['loaded']} loaded, "
+             f"{result['valid_deleted']} valid entries deleted.", "",
+             "| fault | cases | misses | loaded | valid deleted | skipped | slowest read (ms) |",
+             "|---|---|---|---|---|---|---|"]
     for kind, row in result["kinds"].items():
         lines.append(f"| {kind} | {row['cases']} | {row['misses']} | {row['loaded']} | "
+                     f"{row['valid_deleted']} | {row['skipped']} | "
                      f"{row['slowest_read_ms']:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -217,7 +269,7 @@ def main() -> int:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
-    return 0 if result["loaded"] == 0 else 1
+    return 0 if result["loaded"] == 0 and result["valid_deleted"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ DEFAULT_ENV = SPAN_STORE_ENV
 OFF_VALUES = ("off", "none", "0", "false")
 CONNECTOR_MODULE = "engine_ext.span_store.connector"
 _DIGEST_CACHE = "weights-digests.json"
+# what a model folder's KV depends on: weights, configs, tokenizer models, and the modeling code
+# a ``trust_remote_code`` model brings in ``.py`` files
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".gguf", ".py")
 
 
 class SpanStoreConfig(BaseModel):
@@ -115,8 +118,7 @@ def weights_digest(model: str, revision: str | None = None) -> str:
     root = local_model_dir(model, revision)
     if root is None:
         return ""
-    files = sorted(p for p in root.glob("*") if p.is_file() and (
-        p.suffix in (".safetensors", ".bin", ".pt", ".json", ".model", ".gguf")))
+    files = sorted(p for p in root.glob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
     if not any(p.suffix != ".json" for p in files):
         return ""  # no weights here: nothing to name
     stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
@@ -185,23 +187,69 @@ def _rotary_facts(model_config: Any) -> dict[str, Any]:
         "max_position_embeddings", "original_max_position_embeddings")}
 
 
+def _scaled_rotary(rotary: dict[str, Any]) -> bool:
+    """Whether RoPE is scaled (YaRN, dynamic NTK, ...): some scalings depend on the served
+    context length."""
+    params = rotary.get("rope_scaling") or rotary.get("rope_parameters")
+    if not isinstance(params, dict):
+        return False
+    return (params.get("rope_type") or params.get("type")) not in (None, "default")
+
+
+def _loading_facts(vllm_config: Any) -> dict[str, Any]:
+    """How vLLM turned the files into weights: the same folder gives other weights with
+    ``--load-format dummy`` (random), another format, loader options or ignored files."""
+    load = vllm_config.load_config
+    extra = getattr(load, "model_loader_extra_config", None)
+    return {"load_format": str(getattr(load, "load_format", "auto")),
+            "loader_extra": extra if isinstance(extra, dict) else repr(extra),
+            "ignore_patterns": repr(getattr(load, "ignore_patterns", None))}
+
+
+def _compute_facts(vllm_config: Any) -> dict[str, Any]:
+    """What computes the KV besides the weights: the libraries' versions (kernels and their
+    numerics change between releases), the model implementation, and compilation (a compiled
+    graph may fuse and reorder float operations the eager path does not)."""
+    import torch
+    import vllm
+
+    model = vllm_config.model_config
+    compilation = vllm_config.compilation_config
+    return {"vllm": vllm.__version__, "torch": torch.__version__,
+            "model_impl": str(getattr(model, "model_impl", "")),
+            "trust_remote_code": bool(getattr(model, "trust_remote_code", False)),
+            "code_revision": getattr(model, "code_revision", None),
+            "enforce_eager": bool(model.enforce_eager),
+            "compilation_mode": str(getattr(compilation, "mode", "")),
+            "custom_ops": list(getattr(compilation, "custom_ops", None) or []),
+            "calculate_kv_scales": bool(getattr(vllm_config.cache_config,
+                                                "calculate_kv_scales", False))}
+
+
 def fingerprint_facts(vllm_config: Any, weights_digest: str, span_config: Any) -> dict[str, Any]:
     """Everything a stored block's KV bytes depend on besides its tokens, by name: the
-    weights' content and revision, overrides, quantization, dtype, block size, rotary config,
-    the KV page layout, span ids and minipic's engine code (any change: another key)."""
+    weights' content and revision, how they were loaded, overrides, quantization, dtype, block
+    size, rotary config, the KV page layout, span ids, the libraries and compilation that
+    compute the KV, and minipic's engine code (any change: another key). ``docs/span_store.md``
+    lists vLLM's settings that are not here and why they do not change KV."""
     from span_contract.engine_config import plugin_code_hash
 
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     overrides = model.hf_overrides
+    rotary = _rotary_facts(model)
     return {
         "layout_version": LAYOUT_VERSION,
         "engine_code": plugin_code_hash(),
         "weights": weights_digest,
+        "loading": _loading_facts(vllm_config),
+        "compute": _compute_facts(vllm_config),
+        # dynamic rotary scaling depends on the context length the engine serves
+        "max_model_len": model.max_model_len if _scaled_rotary(rotary) else None,
         "revision": model.revision,
         "hf_overrides": overrides if isinstance(overrides, dict) else repr(overrides),
         "quantization": model.quantization,
-        "rotary": _rotary_facts(model),
+        "rotary": rotary,
         "architecture": list(getattr(model.hf_config, "architectures", None) or []),
         "dtype": str(model.dtype),
         "kv_cache_dtype": vllm_config.cache_config.cache_dtype,

@@ -91,15 +91,28 @@ def _tiers(config: SpanStoreConfig, fingerprint: str) -> list[Any]:
     return [tier for tier in tiers if tier.usable]  # an unusable one said why in the log
 
 
-def _weights_digest(config: SpanStoreConfig, model_config: Any) -> str:
-    """The digest of the weights this engine runs: the launcher's, if it was computed for this
-    model and revision, else computed here (cached on disk); "" when unknown (no store)."""
+def engine_weights_digest(config: SpanStoreConfig, model_config: Any) -> tuple[str, str | None]:
+    """The digest of the weights this engine process finds, and why the store must be off
+    (None: it may run).
+
+    Computed here, in every engine process, from the files on this node -- never taken from
+    the launcher: a hub id the launcher hashed from an older cached snapshot, a replica on
+    another node, or a folder replaced during start-up would otherwise name this engine's KV
+    with other weights' digest. The digest is cached on disk by file name, size and mtime, so a
+    restart re-hashes nothing. The launcher's digest (which lookups, ``minipic index`` and the
+    span index use without loading weights) must agree, or those would look for keys this
+    engine never writes: a disagreement turns the store off, loudly (``weights_mismatch``).
+    ``--load-format`` and the loader's options are in the fingerprint (``fingerprint_facts``):
+    random weights from the same folder get other keys."""
     from span_contract.span_store_config import weights_digest, weights_identity
 
+    own = weights_digest(str(model_config.model), model_config.revision)
+    if not own:
+        return "", "weights_unknown"
     of = weights_identity(str(model_config.model), model_config.revision)
-    if config.weights_digest and config.weights_of == of:
-        return config.weights_digest
-    return weights_digest(str(model_config.model), model_config.revision)
+    if config.weights_digest and config.weights_of == of and config.weights_digest != own:
+        return "", "weights_mismatch"
+    return own, None
 
 
 class MinipicSpanStore(KVConnectorBase_V1):
@@ -123,19 +136,28 @@ class MinipicSpanStore(KVConnectorBase_V1):
             from span_contract.engine_config import TP_STORE_MESSAGE
 
             raise EngineIntegrationError(TP_STORE_MESSAGE)
-        digest = _weights_digest(self.config, vllm_config.model_config)
+        digest, self.off_reason = engine_weights_digest(self.config, vllm_config.model_config)
         self.fingerprint = config_fingerprint(vllm_config, digest, span)
         self.block_size = vllm_config.cache_config.block_size
-        if digest:
+        if self.off_reason is None:
             tiers = _tiers(self.config, self.fingerprint)
         else:
             tiers = []
             self.config = self.config.model_copy(update={"ram_mib": 0})
-            if role == KVConnectorRole.SCHEDULER:
+            model = vllm_config.model_config.model
+            if self.off_reason == "weights_mismatch":
+                logger.error(
+                    "minipic span store is OFF for this engine: the weights of %s on this node "
+                    "differ from the digest the launcher computed (%s); the folder changed "
+                    "during start-up, a hub id resolved to another snapshot, or this replica "
+                    "runs on another node with other files. Restart the server to use the "
+                    "store again (span tokens are computed meanwhile, answers stay right)",
+                    model, self.config.weights_digest)
+            elif role == KVConnectorRole.SCHEDULER:
                 logger.warning(
                     "minipic span store is off: the weights of %s cannot be found to name "
                     "them (a model id that is not downloaded?); a store entry must name the "
-                    "weights that computed it", vllm_config.model_config.model)
+                    "weights that computed it", model)
         self.lookup = None
         self.pages = None
         self._results = SpanStoreWorkerMetadata()
@@ -147,6 +169,8 @@ class MinipicSpanStore(KVConnectorBase_V1):
                      or sched.max_num_batched_tokens) if sched.enable_chunked_prefill else None
             self.lookup = StoreLookup(tiers, self.fingerprint, self.block_size, span,
                                       chunk_tokens=chunk)
+            if self.off_reason is not None:
+                self.lookup.counts[f"off_{self.off_reason}"] = 1  # /metrics says so
             logger.info("minipic span store: fingerprint %s, tiers %s (RAM %d MiB in the "
                         "worker)", self.fingerprint, [t.name for t in tiers], self.config.ram_mib)
         else:

@@ -26,7 +26,12 @@ Metrics (Prometheus adds ``_total`` to counters):
 * ``minipic:span_store_write_pauses{tier=disk|shared}`` and
   ``minipic:span_store_write_resumes{tier}`` -- a tier's writes paused after a full, read-only
   or forbidden disk (each failed probe pauses again, longer) and resumed when a probe write
-  succeeded (``tiers/backoff.py``); reported by the worker, which does the writes.
+  succeeded (``tiers/backoff.py``); reported by the worker, which does the writes;
+* ``minipic:span_store_key_changes{tier}`` -- times a tier adopted a rotated store secret
+  (``tiers/directory.py``: entries under the old one became misses, none deleted);
+* ``minipic:span_store_off{reason}`` -- 1 when this engine turned its store off at start
+  (``weights_mismatch``: the weights this engine found differ from the digest it was started
+  with; ``weights_unknown``: its weights cannot be found to hash).
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ SOURCES = ("pool", "store_ram", "store_disk", "store_shared")
 TIERS = ("ram", "disk", "shared")
 BLOCK_EVENTS = ("saved", "loaded", "failed_load", "skipped_no_room")
 PERSISTENT_TIERS = ("disk", "shared")
-WRITE_EVENTS = ("write_pauses", "writes_resumed")  # DirTier counters the worker reports
+# DirTier counters the worker reports
+WRITE_EVENTS = ("write_pauses", "writes_resumed", "key_changes")
+OFF_REASONS = ("weights_mismatch", "weights_unknown")
 # the scheduler-side counter each payload field is the increase of
 _COUNT_OF_EVENT = {"saved": "saved_blocks", "loaded": "loaded_blocks",
                    "failed_load": "failed_loads", "skipped_no_room": "skipped_no_room"}
@@ -85,6 +92,8 @@ class StatsDelta:
         for event in WRITE_EVENTS:
             for tier in PERSISTENT_TIERS:
                 current[f"{event}_{tier}"] = counts.get(f"{event}_{tier}", 0)
+        for reason in OFF_REASONS:
+            current[f"off_{reason}"] = counts.get(f"off_{reason}", 0)
         delta = {k: v - self._reported.get(k, 0) for k, v in current.items()
                  if v > self._reported.get(k, 0)}
         self._reported = current
@@ -160,6 +169,15 @@ class SpanStorePromMetrics(KVConnectorPromMetrics):
             "writes_resumed_{}", "minipic:span_store_write_resumes",
             "Times a span store tier resumed writing after a pause (a probe write succeeded).",
             "tier", PERSISTENT_TIERS)
+        per_label(
+            "key_changes_{}", "minipic:span_store_key_changes",
+            "Times a span store tier adopted a rotated store secret (entries under the old one "
+            "became misses that stay until LRU evicts them).", "tier", PERSISTENT_TIERS)
+        per_label(
+            "off_{}", "minipic:span_store_off",
+            "1 when this engine turned its span store off at start: weights_mismatch (the "
+            "weights it found differ from the digest it was started with) or weights_unknown "
+            "(its weights cannot be found to hash).", "reason", OFF_REASONS)
         per_label(
             "{}", "minipic:span_store_blocks",
             "Span store block events: saved, loaded, failed loads (a miss, the block is "

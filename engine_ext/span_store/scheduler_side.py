@@ -109,6 +109,10 @@ class StoreLookup:
         if self.looked_up.get(rid) == request.num_preemptions or not spans_opted_in(
                 getattr(request, "sampling_params", None)):
             return
+        if getattr(request, "lora_request", None) is not None:
+            # vLLM names an adapter by name and path, not by its weights: a store entry could
+            # not say which adapter computed it, so LoRA requests neither load nor save
+            return
         self.requests[rid] = request
         pool, group = manager.block_pool, manager.kv_cache_group_id
         bs = self.block_size

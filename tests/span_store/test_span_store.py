@@ -9,13 +9,15 @@ Fresh random token ids every run, against the transformers block-mask reference
 * replicas: an engine started on the directory another engine writes, as its shared tier,
   hits every span of its first final (the SIGKILL restart of a real server:
   ``tests/span_store/test_span_store_http.py``); a corpus 4x the pool, with and without the store;
-* other weights on the same directory load nothing, and answer as their own reference;
+* other weights on the same directory load nothing, and answer as their own reference; nor does
+  an engine on the same folder whose spans a ``--load-format dummy`` (random weights) engine
+  stored;
 * tenants: a salted span is never loaded under another salt or unsalted, at any position;
 * faults: corrupt / truncated / foreign entries and a store deleted under the running engine
   give misses (the output still equals the reference), never wrong KV or a crash.
 
 One engine for the single-engine tests (disk only, so every load reads and verifies a file);
-the replica, other-weights and corpus tests start one more each.
+the replica, other-weights, dummy-weights and corpus tests start one more each.
 """
 
 from __future__ import annotations
@@ -284,13 +286,40 @@ def test_other_weights_on_the_same_store_load_nothing(disk_llm, ref, store_dir, 
         close_llm(llm)
 
 
+def test_spans_of_random_weights_from_the_same_folder_are_never_loaded(disk_llm, ref, store_dir,
+                                                                       seed) -> None:
+    """The issue's sequence: a ``--load-format dummy`` engine (random weights, the same model
+    folder and store) prefills spans; the real-weights engine then runs the final: it loads
+    none of them and answers as its own block-mask reference (a storeless engine's)."""
+    from span_contract.engine_config import close_llm
+    from span_contract.span_store_config import SpanStoreConfig
+
+    rng = random.Random(seed)
+    prompt = random_prompt(disk_llm, rng, ref.vocab_size, [40, 30, 20])
+    dummy = _start_with(SpanStoreConfig(dir=str(store_dir), ram_mib=0),
+                        extra={"load_format": "dummy"})
+    try:
+        _saved(dummy, prompt)  # on disk, under the dummy engine's fingerprint
+        assert _stats(dummy)["fingerprint"] != _stats(disk_llm)["fingerprint"]
+    finally:
+        close_llm(dummy)
+    before = _counts(disk_llm)
+    out = generate(disk_llm, [prompt.token_ids], pic_sampling())[0]
+    after = _counts(disk_llm)
+    assert _delta(after, before, "loaded_blocks") == 0 and out.num_cached_tokens == 0
+    err = prompt_error(out, prompt, ref)
+    assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
+
+
 def _start_with(store, pool_blocks: int | None = None, max_model_len: int = 2048,
-                model: str = "tiny-llama") -> object:
+                model: str = "tiny-llama", extra: dict | None = None) -> object:
     """An engine with ``store`` (a SpanStoreConfig or None), optionally a pool of
-    ``pool_blocks`` KV blocks (vLLM's ``num_gpu_blocks_override``)."""
+    ``pool_blocks`` KV blocks (vLLM's ``num_gpu_blocks_override``) and other engine args."""
     from span_contract.engine_config import EngineSettings, build_llm
 
-    extra = {} if pool_blocks is None else {"num_gpu_blocks_override": pool_blocks}
+    extra = dict(extra or {})
+    if pool_blocks is not None:
+        extra["num_gpu_blocks_override"] = pool_blocks
     return build_llm(EngineSettings(model=model, pic=True, max_model_len=max_model_len,
                                     span_store=store, extra=extra))
 

@@ -88,6 +88,43 @@ def test_weights_digest_follows_the_weights(tmp_path, monkeypatch) -> None:
     assert weights_digest(str(model)) != first
 
 
+def test_weights_digest_covers_remote_code(tmp_path, monkeypatch) -> None:
+    """A ``trust_remote_code`` model computes its KV with the ``.py`` files of its folder."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(os.urandom(4096))
+    (model / "modeling_x.py").write_text("SCALE = 1.0\n")
+    first = weights_digest(str(model))
+    (model / "modeling_x.py").write_text("SCALE = 2.0\n")
+    assert weights_digest(str(model)) != first
+
+
+def test_each_engine_checks_the_launchers_digest_against_its_own_files(tmp_path,
+                                                                       monkeypatch) -> None:
+    """The engine hashes the files it finds (cached), never trusting the launcher's digest: a
+    folder replaced after the launcher hashed it turns the store off with a reason."""
+    from types import SimpleNamespace
+
+    from engine_ext.span_store.connector import engine_weights_digest
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(os.urandom(4096))
+    launched = SpanStoreConfig(dir=str(tmp_path / "s")).resolved(str(model))
+    engine_model = SimpleNamespace(model=str(model), revision=None)
+    assert engine_weights_digest(launched, engine_model) == (launched.weights_digest, None)
+    (model / "model.safetensors").write_bytes(os.urandom(4096))  # replaced during start-up
+    assert engine_weights_digest(launched, engine_model) == ("", "weights_mismatch")
+    # a config launched for another model name: the engine's own digest stands
+    other = launched.model_copy(update={"weights_of": "another@"})
+    assert engine_weights_digest(other, engine_model) == (weights_digest(str(model)), None)
+    gone = SimpleNamespace(model=str(tmp_path / "nowhere"), revision=None)
+    assert engine_weights_digest(launched, gone) == ("", "weights_unknown")
+
+
 def test_weights_digest_is_unknown_without_weights(tmp_path, monkeypatch) -> None:
     """A name is not a digest: a hub id with no local snapshot, or a folder with no weight
     files, gives "" (no store), never a hash of the name."""
@@ -129,7 +166,9 @@ def base_config():
 
 
 @pytest.mark.parametrize("change", ["weights", "revision", "hf_overrides", "quantization",
-                                    "dtype", "block_size", "engine_code", "span_config"])
+                                    "dtype", "block_size", "engine_code", "span_config",
+                                    "load_format", "loader_extra", "vllm", "torch",
+                                    "compilation", "model_impl"])
 def test_every_input_of_the_kv_changes_the_fingerprint_and_the_keys(base_config, change,
                                                                     tmp_path, monkeypatch,
                                                                     seed) -> None:
@@ -172,6 +211,20 @@ def test_every_input_of_the_kv_changes_the_fingerprint_and_the_keys(base_config,
         monkeypatch.setattr(engine_config, "plugin_code_hash", lambda: "0" * 16)
     elif change == "span_config":
         other_span = SpanConfig(**{**span.model_dump(), "pad_id": span.pad_id + 1})
+    elif change == "load_format":  # random weights from the same folder
+        other_config, _ = _vllm_config(load_format="dummy")
+    elif change == "loader_extra":
+        other_config, _ = _vllm_config(model_loader_extra_config={"enable_multithread_load": True})
+    elif change in ("vllm", "torch"):
+        import torch
+        import vllm
+
+        module = vllm if change == "vllm" else torch
+        monkeypatch.setattr(module, "__version__", module.__version__ + ".post1")
+    elif change == "compilation":
+        other_config, _ = _vllm_config(enforce_eager=not config.model_config.enforce_eager)
+    elif change == "model_impl":
+        other_config = _with_model_fields(config, model_impl="transformers")
     other_facts = fingerprint_facts(other_config, other_digest, other_span)
     changed = {k for k in facts if facts[k] != other_facts[k]}
     assert changed, f"{change} is not among the fingerprint's inputs"

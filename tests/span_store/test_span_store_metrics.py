@@ -107,7 +107,8 @@ def test_prometheus_children_per_engine_and_label(seed) -> None:
                                              "source": tier})
             assert got == sent[engine][f"tokens_{tier}"], (seed, engine, tier)
         for event, metric in (("write_pauses", "write_pauses"),
-                              ("writes_resumed", "write_resumes")):
+                              ("writes_resumed", "write_resumes"),
+                              ("key_changes", "key_changes")):
             for tier in PERSISTENT_TIERS:
                 got = registry.get_sample_value(f"minipic:span_store_{metric}_total",
                                                 {"model_name": "m", "engine": str(engine),

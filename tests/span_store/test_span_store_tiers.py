@@ -228,17 +228,20 @@ def test_dir_round_trip_format_and_sharding(tmp_path, rng):
         path = tmp_path / "store" / k[:2] / f"{k}{SUFFIX}"
         assert tier.entry_path(k) == path and path.is_file()
         raw = path.read_bytes()
-        magic, version, fp_len, meta_len, payload_len, digest = HEADER.unpack(raw[:HEADER.size])
+        magic, version, fp_len, meta_len, payload_len, kid, digest = HEADER.unpack(
+            raw[:HEADER.size])
         assert (magic, version) == (MAGIC, tiers.FORMAT_VERSION)
         assert raw[HEADER.size:HEADER.size + fp_len] == FP.encode()
         meta = raw[HEADER.size + fp_len:HEADER.size + fp_len + meta_len]
         assert json.loads(meta) == e.meta and raw[-payload_len:] == e.payload
         key_b = k.encode()
         secret = (tmp_path / "store" / ".store-key").read_bytes()
-        expect = hmac.new(secret, raw[:24] + struct.pack("<H", len(key_b)) + key_b
+        expect = hmac.new(secret, raw[:32] + struct.pack("<H", len(key_b)) + key_b
                           + raw[HEADER.size:], hashlib.sha256).digest()
-        # HMAC over header fields, key, fingerprint, meta, payload under the store's secret
+        # HMAC over header fields (the key id among them), key, fingerprint, meta, payload
+        # under the store's secret; the key id names the secret without revealing it
         assert digest == expect
+        assert kid == hashlib.sha256(b"minipic-store-key-id\0" + secret).digest()[:8]
     assert sorted(tier.keys()) == sorted(items)
     assert not temp_files(tmp_path)
     gone = next(iter(items))
@@ -290,8 +293,8 @@ def _damage(kind: str, path: Path, rng: random.Random, tier: DirTier, other_key:
     elif kind == "meta_bit":
         raw[HEADER.size + fp_len] ^= 0x01
     elif kind == "length_field":  # payload shorter by one, meta longer by one: same file size
-        _, v, fl, ml, pl, d = HEADER.unpack(bytes(raw[:HEADER.size]))
-        raw[:HEADER.size] = HEADER.pack(MAGIC, v, fl, ml + 1, pl - 1, d)
+        _, v, fl, ml, pl, kid, d = HEADER.unpack(bytes(raw[:HEADER.size]))
+        raw[:HEADER.size] = HEADER.pack(MAGIC, v, fl, ml + 1, pl - 1, kid, d)
     elif kind == "renamed":  # a complete, valid file of another key under this name
         raw = bytearray(tier.entry_path(other_key).read_bytes())
     path.write_bytes(bytes(raw))
@@ -439,6 +442,7 @@ def test_dir_deleted_under_a_running_tier_gives_misses(tmp_path, rng, logs):
     items = {key_for(rng): entry_for(rng) for _ in range(4)}
     for k, e in list(items.items())[:3]:
         tier.put(k, e)
+    before = (root / ".store-key").read_bytes()
     shutil.rmtree(root)
     for k in items:
         assert tier.get(k) is None and not tier.has(k)
@@ -447,6 +451,8 @@ def test_dir_deleted_under_a_running_tier_gives_misses(tmp_path, rng, logs):
     last = list(items)[3]
     assert tier.put(last, items[last])  # recreated
     assert tier.get(last) == items[last] and list(tier.keys()) == [last]
+    # deleting the store deleted its secret: that is a rotation, never the old secret put back
+    assert tier.stats()["key_changes"] == 1 and (root / ".store-key").read_bytes() != before
     assert tier.stats()["bytes"] == file_size(items[last]) and tier.writes_enabled
     assert len(logs.warnings("vanished")) == 1
     # the secret came back with the directory: a process starting now reads what it wrote

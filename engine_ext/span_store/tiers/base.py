@@ -28,6 +28,8 @@ REMOVED_REASONS = {
 KEPT_REASONS = {
     "foreign": "written by another model or config (fingerprint differs)",
     "newer": "written in a newer format version",
+    "other_key": "MAC-ed under another store secret (written before the secret was rotated, "
+                 "or copied from another store)",
 }
 
 

@@ -45,6 +45,17 @@ foreign-format files are removed. Each reason is logged once per tier (logger
 ``vllm.minipic.span_store``), and the startup scan samples headers and says once if the
 directory holds another configuration's entries.
 
+**The secret can change under a running process.** Deleting ``.store-key`` (alone, or with the
+whole store folder) rotates it: the first process that needs a secret afterwards creates a new
+random one, and every process sharing the folder adopts whatever secret the file holds -- each
+re-checks the file at most once a second on reads and writes, and at once when it meets an
+entry under a key id it does not know. Adopting a new secret is logged and counted
+(``key_changes``; ``minipic:span_store_key_changes`` on ``/metrics``). Entries under the old
+secret become misses left in place (``other_key``) that age out by LRU: a rotation costs
+recomputation, never another replica's valid entries. Replacing the file by another 32-byte
+secret (mode and owner as the tier's) has the same outcome. A rotation is how to revoke whoever
+learned the old secret (``docs/span_store.md``).
+
 **Faults never reach the caller.** A full or read-only disk (``ENOSPC``, ``EROFS``, ``EACCES``,
 ``EPERM``, ``EDQUOT``) pauses the tier's writes with a warning, for 1 s, then 2 s, 4 s ... up to
 5 minutes (``backoff``); the first write after a pause is a probe, and when it succeeds
@@ -85,11 +96,13 @@ from engine_ext.span_store.tiers.base import (
 from engine_ext.span_store.tiers.files import (
     Modes,
     NotAnEntry,
+    check_root,
     load_secret,
     make_dir,
     open_entry,
     read_exactly,
     remove_entry_name,
+    secret_stamp,
 )
 from engine_ext.span_store.tiers.format import (
     SUFFIX,
@@ -107,6 +120,8 @@ _WRITES_OFF_ERRNOS = frozenset(
 _NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK,
                              errno.ENOSYS})
 _HOST_ID = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+# how often reads and writes look at the secret file for a rotation (one lstat)
+KEY_CHECK_INTERVAL_S = 1.0
 
 
 class _DirectoryVanished(OSError):
@@ -177,7 +192,8 @@ class DirTier:
     def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str,
                  name: str = "disk", *, fsync: bool = True, stale_temp_s: float = 300.0,
                  rescan_interval_s: float = 300.0, header_sample: int = 64,
-                 group_access: bool = False, backoff: WriteBackoff | None = None) -> None:
+                 group_access: bool = False, group: int | str | None = None,
+                 backoff: WriteBackoff | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if not fingerprint:
@@ -198,18 +214,24 @@ class DirTier:
         self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (size, mtime_ns)
         self._bytes = 0  # sum of indexed sizes
         self._reserved = 0  # bytes of writes in flight
-        self.modes = Modes.for_access(group_access)
+        self.modes = Modes.for_access(group_access, group)
         self._backoff = backoff or WriteBackoff()
         self._logged: set[str] = set()
         self._c = dict.fromkeys(
             ("hits", "misses", "corrupt_removed", "foreign_skipped", "read_errors", "writes",
              "already_present", "write_errors", "skipped_writes_off", "too_large", "evictions",
-             "temps_removed", "write_pauses", "writes_resumed"), 0)
+             "temps_removed", "write_pauses", "writes_resumed", "other_key_skipped",
+             "key_changes"), 0)
         self._last_scan = 0.0
         self._secret: bytes | None = None
+        self._secret_stamp: tuple[int, int, int, int] | None = None
+        self._secret_checked = 0.0
         try:
             make_dir(self.path, self.modes)
+            check_root(self.path, self.modes)
             self._secret = load_secret(self.path, self.modes)
+            self._secret_stamp = secret_stamp(self.path)
+            self._secret_checked = time.monotonic()
         except OSError as exc:
             logger.warning("span store %r at %s is not used: %s", self.name, self.path,
                            exc.strerror or exc)
@@ -246,6 +268,7 @@ class DirTier:
     def get(self, key: str) -> Entry | None:
         """Read and verify the entry; None on any miss, fault or failed verification."""
         path = self.entry_path(key)
+        self._check_secret()
         if self._secret is None:
             self._miss(key, forget=False)
             return None
@@ -253,6 +276,10 @@ class DirTier:
             fd, st = open_entry(path.parent, path.name, self.capacity_bytes)
             try:
                 result = self._read_verified(key, fd, st)
+                if (result == "other_key" and self._check_secret(force=True)
+                        and self._secret is not None):
+                    os.lseek(fd, 0, os.SEEK_SET)  # the secret was rotated: read it under the new
+                    result = self._read_verified(key, fd, st)
             finally:
                 os.close(fd)
         except FileNotFoundError:
@@ -294,6 +321,7 @@ class DirTier:
         there — an existing entry is never overwritten), False when writes are off, the entry is
         larger than the capacity, or the write failed."""
         path = self.entry_path(key)
+        self._check_secret()
         if not self.writes_enabled:
             self._count("skipped_writes_off")
             return False
@@ -317,7 +345,7 @@ class DirTier:
         mtime: int | None = None
         exists = False
         try:
-            mtime = self._write_file(key, path, parts)
+            mtime = self._write_file(key, path, parts, entry)
             exists = mtime is None
         except _DirectoryVanished as exc:
             self._pause_writes(exc, "the store directory vanished and cannot be recreated")
@@ -384,10 +412,10 @@ class DirTier:
 
     def _reject(self, key: str, path: Path, st: os.stat_result, reason: str) -> None:
         if reason in KEPT_REASONS:
-            self._count("foreign_skipped")
+            self._count("other_key_skipped" if reason == "other_key" else "foreign_skipped")
             self._log_once(reason, logging.WARNING,
                            "span store %r: entry %s is %s; treated as a miss and left in place "
-                           "(a model or config sharing %s may use it)",
+                           "(whoever wrote it into %s may still use it; LRU ages it out)",
                            self.name, key, KEPT_REASONS[reason], self.path)
             self._miss(key, forget=False)
             return
@@ -425,9 +453,10 @@ class DirTier:
         assert self._secret is not None
         return encode_entry(key, entry, self._fp, self._secret)
 
-    def _write_file(self, key: str, path: Path, parts: list[bytes]) -> int | None:
-        """Write ``parts`` to a temp file, fsync, publish under ``path``. The mtime written, or
-        None if another writer published ``key`` first (our copy is discarded)."""
+    def _write_file(self, key: str, path: Path, parts: list[bytes], entry: Entry) -> int | None:
+        """Write ``parts`` (``entry`` encoded) to a temp file, fsync, publish under ``path``.
+        The mtime written, or None if another writer published ``key`` first (our copy is
+        discarded)."""
         shard = path.parent
         tmp = shard / f"{TEMP_PREFIX}{_HOST_ID}.{os.getpid()}.{secrets.token_hex(4)}.{key}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -436,7 +465,10 @@ class DirTier:
                 raise OSError(errno.ELOOP, f"shard folder {shard} is a symlink")
             fd = os.open(tmp, flags, self.modes.file)
         except (FileNotFoundError, NotADirectoryError):
+            secret = self._secret
             self._recreate(shard)
+            if self._secret != secret:  # the store came back with a new secret: MAC under it
+                parts = self._encode(key, entry)
             fd = os.open(tmp, flags, self.modes.file)
         try:
             os.fchmod(fd, self.modes.file)  # the tier's mode, not the umask's
@@ -472,14 +504,53 @@ class DirTier:
         if root_gone:
             logger.warning("span store %r: directory %s vanished; recreated it (its entries "
                            "are gone)", self.name, self.path)
-            # the secret went with it: put ours back, or take the one another process put first
+            # the secret went with it: deleting the secret rotates it (module docstring), so a
+            # new one, or the one another process created first -- never the old one back
             try:
-                self._secret = load_secret(self.path, self.modes, proposed=self._secret)
+                check_root(self.path, self.modes)
+                self._adopt_secret(load_secret(self.path, self.modes))
             except OSError as exc:
                 raise _DirectoryVanished(exc.errno, exc.strerror) from exc
             with self._lock:
                 self._index.clear()
                 self._bytes = 0
+
+    def _check_secret(self, force: bool = False) -> bool:
+        """Adopt the secret the file holds now if it changed since we read it (at most once per
+        ``KEY_CHECK_INTERVAL_S`` unless ``force``). A missing secret file in an existing folder
+        is a rotation by deletion: a new secret is created (or another process's taken). True
+        when the secret we use changed."""
+        if self._secret is None:
+            return False
+        now = time.monotonic()
+        if not force and now - self._secret_checked < KEY_CHECK_INTERVAL_S:
+            return False
+        self._secret_checked = now
+        stamp = secret_stamp(self.path)
+        if stamp is not None and stamp == self._secret_stamp:
+            return False
+        if stamp is None and not self.path.is_dir():
+            return False  # the whole store is gone: the next write recreates it (_recreate)
+        try:
+            return self._adopt_secret(load_secret(self.path, self.modes))
+        except OSError as exc:
+            logger.warning("span store %r at %s is no longer used: its secret changed and "
+                           "cannot be read (%s)", self.name, self.path, exc.strerror or exc)
+            self._secret = None
+            return True
+
+    def _adopt_secret(self, secret: bytes) -> bool:
+        """Use ``secret`` from now on; log and count it when it differs from ours."""
+        self._secret_stamp = secret_stamp(self.path)
+        if secret == self._secret:
+            return False
+        old, self._secret = self._secret, secret
+        if old is not None:
+            self._count("key_changes")
+            logger.warning("span store %r at %s: the store secret was rotated; entries "
+                           "written under the old one are misses, left in place until LRU "
+                           "evicts them", self.name, self.path)
+        return True
 
     def _evict_to_fit(self, size: int) -> None:
         """Under the lock: delete least recently used entries until ``size`` more bytes fit.

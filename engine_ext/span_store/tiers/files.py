@@ -10,7 +10,16 @@ otherwise put bytes there under a key computed from public tokens. So:
   access), published with ``link`` so two replicas starting together agree on one. Replicas on a
   shared mount share the secret through the mount; a process that cannot read it gets no store
   (it could neither verify nor write entries others can verify). An entry forged without the
-  secret, or written under another store's secret, fails the MAC and is a miss.
+  secret fails the MAC and is a miss.
+* **Key ids, so a rotation destroys nothing.** Every entry names the secret it was MAC-ed under
+  by a key id (a hash of the secret, ``key_id``). An entry under another key id was written
+  before a rotation, or copied from another store: a miss left in place, aged out by LRU. Only
+  a MAC failure under our own key id is damage, and removed. Without the id, two replicas on
+  either side of a rotation would each delete the other's valid entries as "damaged".
+* **Owned by us.** Mode bits say who else may read or write a file, not who made it: a secret
+  another user created first (before this server, running as root in a container, came up)
+  with mode 0600 would pass a mode check, and that user could forge entries. The secret and
+  the store root must belong to the server's user, or in group mode to the tier's group.
 * **Private by default.** Entries are created 0600 and folders 0700: another local user can
   neither read a tenant's KV nor plant files. ``group_access`` (for replicas running as
   different users of one group on a shared mount) makes them 0640 / 0750, set explicitly so the
@@ -35,6 +44,7 @@ from pathlib import Path
 
 SECRET_NAME = ".store-key"
 SECRET_BYTES = 32
+KEY_ID_BYTES = 8
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -45,19 +55,80 @@ class StoreUnusable(OSError):
 
 @dataclass(frozen=True)
 class Modes:
-    """Permission bits of what a tier creates."""
+    """Permission bits of what a tier creates, and the group trusted in group mode (None: the
+    tier is private to its user)."""
 
     file: int
     dir: int
+    group: int | None = None
 
     @classmethod
-    def for_access(cls, group_access: bool) -> Modes:
-        return cls(0o640, 0o750) if group_access else cls(0o600, 0o700)
+    def for_access(cls, group_access: bool, group: int | str | None = None) -> Modes:
+        if not group_access:
+            return cls(0o600, 0o700)
+        return cls(0o640, 0o750, resolve_group(group))
 
     @property
     def forbidden(self) -> int:
         """Bits a secret must not have: more than the tier would give it itself."""
         return 0o777 & ~self.file
+
+
+def resolve_group(group: int | str | None) -> int:
+    """A group id from a name or id; None is the server's own effective group."""
+    if group is None or group == "":
+        return os.getegid()
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    import grp
+
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {group!r} on this machine") from None
+
+
+def check_owner(st: os.stat_result, path: Path, modes: Modes, what: str) -> None:
+    """Raise ``StoreUnusable`` unless ``path`` belongs to this process's user, or in group mode
+    to the tier's group: what another user created may be theirs to forge with."""
+    uid = os.geteuid()
+    if st.st_uid == uid:
+        return
+    if modes.group is not None and st.st_gid == modes.group:
+        return
+    trusted = f"user {uid}" + ("" if modes.group is None else f" or group {modes.group}")
+    raise StoreUnusable(errno.EPERM, f"{what} {path} belongs to user {st.st_uid} (group "
+                                     f"{st.st_gid}), not to this server's {trusted}: whoever "
+                                     f"created it could forge entries; remove it or start the "
+                                     f"server as its owner")
+
+
+def key_id(secret: bytes) -> bytes:
+    """The public name of a secret (written in every entry's header): a hash that says which
+    key an entry was MAC-ed under without revealing the key."""
+    return hashlib.sha256(b"minipic-store-key-id\0" + secret).digest()[:KEY_ID_BYTES]
+
+
+def secret_stamp(root: Path) -> tuple[int, int, int, int] | None:
+    """(device, inode, mtime, size) of the secret file, None when it is missing: a change means
+    the secret was rotated (replaced or deleted and created anew) since it was read."""
+    try:
+        st = os.lstat(root / SECRET_NAME)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def check_root(root: Path, modes: Modes) -> None:
+    """Refuse a store root another user owns (they could replace the secret in it)."""
+    try:
+        st = os.lstat(root)
+    except OSError as exc:
+        raise StoreUnusable(exc.errno, f"cannot stat the store folder {root}: "
+                                       f"{exc.strerror or exc}") from exc
+    if stat.S_ISLNK(st.st_mode):
+        st = os.stat(root)  # a configured path may be a link; what it points at must be ours
+    check_owner(st, root, modes, "the store folder")
 
 
 def make_dir(path: Path, modes: Modes) -> None:
@@ -125,6 +196,7 @@ def _read_secret(path: Path, modes: Modes) -> bytes:
             raise StoreUnusable(errno.EPERM, f"the store secret {path} has mode "
                                              f"{stat.S_IMODE(st.st_mode):o}: others could "
                                              f"forge entries (expected {modes.file:o})")
+        check_owner(st, path, modes, "the store secret")
         data = os.read(fd, SECRET_BYTES + 1)
     finally:
         os.close(fd)
@@ -135,8 +207,9 @@ def _read_secret(path: Path, modes: Modes) -> bytes:
 
 def entry_mac(secret: bytes, fixed: bytes, key: str, fingerprint: bytes, meta_json: bytes,
               payload: bytes | memoryview) -> bytes:
-    """HMAC-SHA256 over the header's fixed fields, the key, fingerprint, metadata and payload:
-    a copy under another key, a changed length field or any flipped bit never verifies."""
+    """HMAC-SHA256 over the header's fixed fields (the key id among them), the key,
+    fingerprint, metadata and payload: a copy under another key, a changed length field or key
+    id, or any flipped bit never verifies."""
     key_b = key.encode()
     mac = hmac.new(secret, fixed, hashlib.sha256)
     mac.update(len(key_b).to_bytes(2, "little"))

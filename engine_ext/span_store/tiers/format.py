@@ -5,15 +5,16 @@ every folder small — hex-digest keys spread uniformly over them)::
 
     offset size  field
     0      8     magic            b"MPICSPAN"
-    8      2     format version   2 (little-endian, like every field)
+    8      2     format version   3 (little-endian, like every field)
     10     2     F: fingerprint length (bytes of UTF-8)
     12     4     M: metadata JSON length
     16     8     P: payload length
-    24     32    HMAC-SHA256 under the store's secret over: bytes 0..24, the key (u16 length +
+    24     8     key id: which store secret the MAC is under (``files.key_id``)
+    32     32    HMAC-SHA256 under the store's secret over: bytes 0..32, the key (u16 length +
                  UTF-8), fingerprint, metadata JSON, payload
-    56     F     fingerprint (the tier's config fingerprint, UTF-8)
-    56+F   M     metadata JSON (UTF-8, sorted keys)
-    56+F+M P     payload
+    64     F     fingerprint (the tier's config fingerprint, UTF-8)
+    64+F   M     metadata JSON (UTF-8, sorted keys)
+    64+F+M P     payload
 
 The MAC is HMAC-SHA256 (``hmac``/``hashlib``, no dependency) keyed by a secret each store
 directory creates at first use (``files``: why, and the file modes, no-follow opens and bounded
@@ -22,7 +23,10 @@ sha256 ran ~1.7 GB/s on the dev machine, so verifying a 2 MB block costs ~1 ms. 
 faster but has 32 bits and no key; the MAC makes a wrong-bytes read practically impossible and a
 forged one impossible without the secret. It covers the key as well, so a file copied or renamed
 under another key never verifies, and the header's lengths, so a damaged length field is caught
-too. Format version 1 (an unkeyed sha256) reads as an old format and is removed.
+too. An entry under another key id is not checked against our secret at all: it was written
+before a rotation or in another store, so it is a miss that stays (``"other_key"``), never
+"damage" to remove. Format versions 1 (an unkeyed sha256) and 2 (no key id) read as old formats
+and are removed.
 
 Nothing here opens an entry: the directory tier does the file I/O (``read`` callables here are
 its reads of one open file) and keeps the bookkeeping.
@@ -38,14 +42,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 from engine_ext.span_store.tiers.base import Entry
-from engine_ext.span_store.tiers.files import entry_mac
+from engine_ext.span_store.tiers.files import KEY_ID_BYTES, entry_mac, key_id
 
 MAGIC = b"MPICSPAN"
-FORMAT_VERSION = 2  # 2: HMAC under the store's secret (1: unkeyed sha256)
-# magic, version, fingerprint length, meta length, payload length, HMAC-SHA256
-HEADER = struct.Struct("<8sHHIQ32s")
-HASHED_HEADER_BYTES = 24  # the header up to (not including) the digest
-_FIXED = struct.Struct("<8sHHIQ")  # the hashed part of the header
+# 3: the key id in the header; 2: HMAC under the store's secret; 1: unkeyed sha256
+FORMAT_VERSION = 3
+# magic, version, fingerprint length, meta length, payload length, key id, HMAC-SHA256
+HEADER = struct.Struct(f"<8sHHIQ{KEY_ID_BYTES}s32s")
+_FIXED = struct.Struct(f"<8sHHIQ{KEY_ID_BYTES}s")  # the hashed part of the header
+HASHED_HEADER_BYTES = _FIXED.size  # the header up to (not including) the digest
 SUFFIX = ".kvb"
 TEMP_PREFIX = ".tmp."
 
@@ -59,6 +64,7 @@ class Header(NamedTuple):
     fp_len: int
     meta_len: int
     payload_len: int
+    key_id: bytes
     digest: bytes
 
     @property
@@ -73,9 +79,12 @@ def unpack_header(head: bytes) -> Header | str:
     if len(head) < len(MAGIC) or head[:len(MAGIC)] != MAGIC:
         return "format"
     if len(head) < HEADER.size:
+        # an older format's shorter header still names its version
+        if len(head) >= 10 and int.from_bytes(head[8:10], "little") < FORMAT_VERSION:
+            return "version"
         return "length"
-    _, version, fp_len, meta_len, payload_len, digest = HEADER.unpack(head)
-    return Header(version, fp_len, meta_len, payload_len, digest)
+    _, version, fp_len, meta_len, payload_len, kid, digest = HEADER.unpack(head)
+    return Header(version, fp_len, meta_len, payload_len, kid, digest)
 
 
 def encode_entry(key: str, entry: Entry, fingerprint: bytes, secret: bytes) -> list[bytes]:
@@ -83,7 +92,7 @@ def encode_entry(key: str, entry: Entry, fingerprint: bytes, secret: bytes) -> l
     payload) so the payload is written without a copy."""
     meta_json = entry.meta_json
     fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(fingerprint), len(meta_json),
-                        len(entry.payload))
+                        len(entry.payload), key_id(secret))
     mac = entry_mac(secret, fixed, key, fingerprint, meta_json, entry.payload)
     return [fixed + mac, fingerprint, meta_json, entry.payload]
 
@@ -100,6 +109,8 @@ def read_entry(read: Read, file_size: int, key: str, fingerprint: bytes,
         return "newer" if header.version > FORMAT_VERSION else "version"
     if file_size != header.file_bytes:
         return "length"
+    if not hmac.compare_digest(header.key_id, key_id(secret)):
+        return "other_key"  # checked before the MAC: another secret's entry is not damage
     fp = read(header.fp_len)
     meta_json = read(header.meta_len)
     payload = read(header.payload_len)
