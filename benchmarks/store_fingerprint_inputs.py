@@ -45,8 +45,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "block size (64)": {"block_size": 64},
     "revision": {"extra": {"revision": "other-revision"}},
     "prefix-cache hash (sha256_cbor)": {"extra": {"prefix_caching_hash_algo": "sha256_cbor"}},
+    # the same folder, other weights: random ones (how servers are often benchmarked)
+    "load format (dummy)": {"extra": {"load_format": "dummy"}},
+    "loader options": {"extra": {"model_loader_extra_config": {"enable_multithread_load": True}}},
+    "compilation (torch.compile, not eager)": {"enforce_eager": False},
 }
 NOT_RUNNABLE = {
+    "vLLM / torch versions": "one version of each is installed here; the fingerprint's version "
+                             "fields are checked without an engine "
+                             "(tests/span_store/test_span_store_config.py)",
+    "LoRA adapter": "not an input: LoRA requests neither load nor save (an adapter is named by "
+                    "name and path, not by its weights)",
     "quantization": "no quantized checkpoint of the test models, and vLLM CPU 0.32 quantizes "
                     "weights only from such checkpoints; the fingerprint's quantization field is "
                     "checked without an engine (tests/span_store/test_span_store_config.py)",

@@ -27,6 +27,7 @@ from engine_ext.endpoints import CACHE_RESET_ENV, RESET_PATH
 from engine_ext.recurrent.policy import CheckpointConfig
 from serving.cluster_app import ROUTERS
 from serving.supervise import supervise
+from span_contract.cpu_runtime import THREADS_BIND_ENV
 from span_contract.engine_config import EngineSettings
 from span_contract.span_store_config import (
     DEFAULT_ENV,
@@ -118,7 +119,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
         "restart, and by every replica")
     store.add_argument("--span-store", default=None, metavar="DIR|off",
                        help="directory of the store's disk tier (bounded, crash-safe); with "
-                            "--replicas it is the tier every replica shares. Default: on, at "
+                            "--replicas it is the tier the replicas share (one store where they "
+                            "reach the same folder: one node or a shared mount; the router "
+                            "checks which, and routes for a store per node otherwise). "
+                            "Default: on, at "
                             "<minipic cache>/span-store (where `minipic index` writes), for "
                             "the default features; $MINIPIC_SPAN_STORE=DIR|off changes the "
                             "default. Off with --no-pic, --features without hash,rope,holes, "
@@ -133,6 +137,11 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                        help="make entries 0640 and folders 0750 for replicas running as other "
                             "users of one group on a shared mount (default: 0600 / 0700, "
                             "readable by this user only)")
+    store.add_argument("--span-store-group", default=None, metavar="GROUP",
+                       help="with --span-store-group-access: the group (name or id) whose "
+                            "members' store secret and folder this server trusts (default: "
+                            "its own group). Anything else another user owns is refused: "
+                            "they could forge entries")
     scale = p.add_argument_group(
         "scale-out on Ray Serve",
         "Run N replicas of this server behind one URL, routed by where spans are cached "
@@ -185,7 +194,11 @@ def _store_on_by_default(args: argparse.Namespace) -> bool:
 
 def span_store_config(args: argparse.Namespace) -> SpanStoreConfig | None:
     """The store the ``--span-store*`` flags describe (None: off). With ``--replicas`` the
-    directory is shared by all replicas, so it is their shared tier rather than a local one.
+    directory is the replicas' shared tier rather than a local one: one store for the replicas
+    that reach the same folder (one node, or a shared mount). A path is no promise of that: on
+    several nodes the default folder is a local disk on each, one store per node; the router
+    decides from the identity each replica reads in its store (``serving.store_identity``), not
+    from this setting, whether to route for one shared store.
 
     Default (no ``--span-store``): ``$MINIPIC_SPAN_STORE`` if set, else on at
     ``default_store_dir()``. Why on: a store entry is written once per span block (3.6-8.3% of
@@ -206,7 +219,8 @@ def span_store_config(args: argparse.Namespace) -> SpanStoreConfig | None:
     return SpanStoreConfig(dir=path, disk_gib=args.span_store_gib,
                            ram_mib=args.span_store_ram_mib, shared_dir=shared,
                            shared_gib=args.span_store_gib,
-                           group_access=getattr(args, "span_store_group_access", False))
+                           group_access=getattr(args, "span_store_group_access", False),
+                           group=getattr(args, "span_store_group", None))
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
@@ -251,11 +265,11 @@ def run(args: argparse.Namespace) -> int:
     extra = list(args.vllm_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    if settings.span_store is not None and _tensor_parallel(extra) > 1:
-        from span_contract.engine_config import TP_STORE_MESSAGE
-
-        print(f"minipic serve: error: {TP_STORE_MESSAGE}", file=sys.stderr)
-        return 2
+    tp_binding = _tp_thread_binding(_tensor_parallel(extra))
+    if tp_binding is not None:
+        os.environ[THREADS_BIND_ENV] = tp_binding
+        print(f"minipic serve: {THREADS_BIND_ENV}={tp_binding} (one group of cores per "
+              f"tensor-parallel rank; set it yourself to choose)", file=sys.stderr)
     if args.replicas is not None:
         return run_replicas(args, settings, extra)
     argv = settings.server_argv(args.host, args.port, args.served_model_name)
@@ -272,6 +286,17 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr, flush=True,
     )
     return supervise(argv, env)
+
+
+def _tp_thread_binding(ranks: int) -> str | None:
+    """The CPU thread binding to set for ``ranks`` tensor-parallel workers: None on GPU, without
+    tensor parallelism, or when the user set one."""
+    from span_contract.cpu_runtime import thread_binding
+    from span_contract.engine_config import _is_cpu
+
+    if ranks < 2 or THREADS_BIND_ENV in os.environ or not _is_cpu():
+        return None
+    return thread_binding(ranks)
 
 
 def _tensor_parallel(vllm_args: list[str]) -> int:

@@ -105,7 +105,8 @@ def append_records(store_dir: str | os.PathLike[str], records: Iterable[Manifest
         return 0
     path = manifest_path(store_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    # private like the store's entries: it lists which documents the store holds
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         size = os.fstat(fd).st_size
         data = b"".join(lines)

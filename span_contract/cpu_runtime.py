@@ -219,3 +219,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def thread_binding(ranks: int, cores: Sequence[int] | None = None) -> str | None:
+    """vLLM's CPU thread binding for ``ranks`` tensor-parallel workers: this process's cores
+    split into ``ranks`` contiguous groups (``"0|1"`` on 2 cores). None when there are fewer
+    cores than ranks.
+
+    Why: without it vLLM's CPU workers bind by NUMA node, and a machine with one node stops with
+    "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"; a binding per rank is
+    what vLLM's CPU docs ask for there.
+    """
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if ranks < 2 or len(cores) < ranks:
+        return None
+    size = len(cores) // ranks
+    groups = [cores[i * size:(i + 1) * size] for i in range(ranks)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator
 
 from span_contract.checkpoint_config import CheckpointConfig
-from span_contract.cpu_runtime import preload_env
+from span_contract.cpu_runtime import THREADS_BIND_ENV, preload_env, thread_binding
 from span_contract.env import ENABLE_ENV
 from span_contract.span_config import ALL_FEATURES, SpanConfig
 from span_contract.span_store_config import SpanStoreConfig
@@ -58,10 +58,6 @@ DEFAULT_CPU_KVCACHE_GIB = "2"
 
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-TP_STORE_MESSAGE = (
-    "the span store is not supported with tensor parallelism yet (each rank holds a shard of "
-    "every block, and a block must be loaded on all ranks or on none; this is untested on more "
-    "than one rank): run with --span-store off, or with --tensor-parallel-size 1")
 
 
 class EngineSettings(BaseModel):
@@ -111,8 +107,6 @@ class EngineSettings(BaseModel):
             if not self.pic or not {"hash", "holes", "rope"} <= set(self.features):
                 raise ValueError("span_store needs the minipic plugin with its hash, rope and "
                                  "holes features")
-            if int(self.extra.get("tensor_parallel_size") or 1) > 1:
-                raise ValueError(TP_STORE_MESSAGE)
             store = store.resolved(model, self.extra.get("revision"))
         return self.model_copy(update={"model": model, "span_config": span,
                                        "span_store": store})
@@ -136,6 +130,9 @@ class EngineSettings(BaseModel):
                                                                 DEFAULT_CPU_KVCACHE_GIB))
         if _is_cpu():  # tcmalloc + Intel OpenMP preloaded, as vLLM's CPU docs ask
             env.update(preload_env())
+            binding = thread_binding(int(self.extra.get("tensor_parallel_size") or 1))
+            if binding is not None and THREADS_BIND_ENV not in os.environ:
+                env[THREADS_BIND_ENV] = binding  # one group of cores per rank
             if self.span_store is not None and self.pic:
                 # vLLM's CPU worker reserves one more core whenever a KV connector is set (for
                 # NIXL transfers); the span store's work runs on the step's thread, so it keeps

@@ -47,6 +47,9 @@ class SpanStoreConfig(BaseModel):
     group_access: bool = Field(
         False, description="entries 0640 and folders 0750 (replicas of one group on a shared "
                            "mount); default 0600 / 0700, private to the user")
+    group: str | None = Field(
+        None, description="group access: the group (name or id) whose secret and folders are "
+                          "trusted besides the user's own; None = the server's own group")
     read_threads: int = Field(4, ge=0, description="threads reading entries ahead of the step "
                                                    "(0: on the step's thread)")
     fill_mib_per_step: float = Field(64.0, gt=0, description="most entry bytes one step copies "

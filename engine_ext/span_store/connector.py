@@ -14,8 +14,9 @@ weights' content and revision, overrides, quantization, dtype, block size, rotar
 config, KV page layout and minipic's engine code), and vLLM's root hash. Entries also carry the
 fingerprint in their header, under the store's MAC (``tiers/files.py``): an entry written by
 another model, config or build, or by anyone without the store's secret, is never read. Weights
-that cannot be found to hash (a hub id not downloaded) mean no store, and tensor parallelism is
-refused until a block can be checked loaded on every rank. A tenant's blocks hash with its salt, so
+that cannot be found to hash (a hub id not downloaded) mean no store. With tensor parallelism each
+rank stores its own part of an entry (``keys.rank_key``) and a block counts as loaded only when
+every rank loaded its part (``scheduler_side``). A tenant's blocks hash with its salt, so
 another tenant (or no salt) never finds them, at any position.
 
 **Why a loaded block is the block the engine would have computed.** Its bytes are the pages
@@ -44,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine_ext.holes.scheduler_lookup import attach_span_store, full_attention_manager
-from engine_ext.span_store.keys import config_fingerprint
+from engine_ext.span_store.keys import config_fingerprint, rank_key
 from span_contract.errors import EngineIntegrationError
 from span_contract.span_config import SpanConfig
 from span_contract.span_store_config import SpanStoreConfig
@@ -84,10 +85,10 @@ def _tiers(config: SpanStoreConfig, fingerprint: str) -> list[Any]:
     tiers = []
     if config.dir:
         tiers.append(DirTier(config.dir, int(config.disk_gib * 2**30), fingerprint, "disk",
-                             group_access=config.group_access))
+                             group_access=config.group_access, group=config.group))
     if config.shared_dir:
         tiers.append(DirTier(config.shared_dir, int(config.shared_gib * 2**30), fingerprint,
-                             "shared", group_access=config.group_access))
+                             "shared", group_access=config.group_access, group=config.group))
     return [tier for tier in tiers if tier.usable]  # an unusable one said why in the log
 
 
@@ -132,10 +133,8 @@ class MinipicSpanStore(KVConnectorBase_V1):
             raise EngineIntegrationError(
                 "the minipic span store fills blocks before a step's forward; async "
                 "scheduling and pipeline parallelism would let a fill race an earlier write")
-        if vllm_config.parallel_config.tensor_parallel_size > 1:
-            from span_contract.engine_config import TP_STORE_MESSAGE
-
-            raise EngineIntegrationError(TP_STORE_MESSAGE)
+        self.ranks = vllm_config.parallel_config.tensor_parallel_size
+        self.rank = 0
         digest, self.off_reason = engine_weights_digest(self.config, vllm_config.model_config)
         self.fingerprint = config_fingerprint(vllm_config, digest, span)
         self.block_size = vllm_config.cache_config.block_size
@@ -168,7 +167,7 @@ class MinipicSpanStore(KVConnectorBase_V1):
             chunk = (getattr(sched, "long_prefill_token_threshold", 0)
                      or sched.max_num_batched_tokens) if sched.enable_chunked_prefill else None
             self.lookup = StoreLookup(tiers, self.fingerprint, self.block_size, span,
-                                      chunk_tokens=chunk)
+                                      chunk_tokens=chunk, ranks=self.ranks)
             if self.off_reason is not None:
                 self.lookup.counts[f"off_{self.off_reason}"] = 1  # /metrics says so
             logger.info("minipic span store: fingerprint %s, tiers %s (RAM %d MiB in the "
@@ -177,6 +176,11 @@ class MinipicSpanStore(KVConnectorBase_V1):
             from engine_ext.span_store.fill_queue import FillQueue
             from engine_ext.span_store.tiers import Entry, RamTier, TieredStore
             from engine_ext.span_store.worker_side import PageCopier
+
+            if self.ranks > 1:
+                from vllm.distributed import get_tensor_model_parallel_rank
+
+                self.rank = get_tensor_model_parallel_rank()
 
             ram = RamTier(self.config.ram_mib << 20) if self.config.ram_mib else None
             self.pages = PageCopier(TieredStore(ram, tiers), Entry)
@@ -273,7 +277,8 @@ class MinipicSpanStore(KVConnectorBase_V1):
         (``fill_queue``: reads run ahead on threads; a block lands when its read is done)."""
         if self.pages is None or not isinstance(kv_connector_metadata, SpanStoreMetadata):
             return
-        self.fills.submit(kv_connector_metadata.loads)
+        self.fills.submit([(block_id, self._part(key))
+                           for block_id, key in kv_connector_metadata.loads])
         filled, homes = [], []
         for block_id, key, found in self.fills.ready():
             try:
@@ -307,11 +312,15 @@ class MinipicSpanStore(KVConnectorBase_V1):
             return
         for block_id, key, slot in meta.saves:
             try:
-                ok = self.pages.save(block_id, key, slot)
+                ok = self.pages.save(block_id, self._part(key), slot)
             except Exception:  # noqa: BLE001 (a failed save is a later miss)
                 logger.exception("minipic span store: saving %s failed", key[:16])
                 ok = False
             (self._results.saved if ok else self._results.not_saved).append(key)
+
+    def _part(self, key: str) -> str:
+        """This rank's part of an entry (the key itself without tensor parallelism)."""
+        return rank_key(key, self.rank, self.ranks)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         results, self._results = self._results, SpanStoreWorkerMetadata()

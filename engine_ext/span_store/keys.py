@@ -22,7 +22,7 @@ from span_contract.span_store_config import (
     page_layout,
 )
 
-__all__ = ["LAYOUT_VERSION", "config_fingerprint", "entry_key", "page_layout"]
+__all__ = ["LAYOUT_VERSION", "config_fingerprint", "entry_key", "page_layout", "rank_key"]
 
 
 def entry_key(fingerprint: str, block_hash: bytes) -> str:
@@ -34,3 +34,10 @@ def entry_key(fingerprint: str, block_hash: bytes) -> str:
     digest.update(bytes(kcu.NONE_HASH or b""))
     digest.update(bytes(block_hash))
     return digest.hexdigest()
+
+
+def rank_key(key: str, rank: int, ranks: int) -> str:
+    """The key of one tensor-parallel rank's part of an entry: with TP each rank holds the KV
+    heads of its shard, so each writes and reads its own file, and a block is loaded only when
+    every rank found its part (``scheduler_side``). Unchanged without TP."""
+    return key if ranks == 1 else f"{key}-r{rank}"

@@ -27,6 +27,13 @@ computes it.
 **Save.** ``build_connector_meta`` lists, per scheduled request, the span-chained blocks this
 step completes (full prompt blocks only) whose key the store does not have yet; the worker
 copies them after the forward. Blocks found in the pool or the store are never re-saved.
+
+**Tensor parallelism.** Each rank holds the KV heads of its shard, so each writes its own part of
+an entry (``keys.rank_key``) and fills its own part of a block. A block is in the store only when
+every rank's part is; a fill is decided only when every rank reported it (its reads may land in
+different steps) and is a load only if every rank loaded -- until then the block stays held, so
+no rank can be writing into a block the pool already gave to someone else; a save is known only
+when every rank saved.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import Any
 
 from engine_ext.hashing.span_hashing import span_chained_blocks
 from engine_ext.holes.scheduler_steps import step_ranges
-from engine_ext.span_store.keys import entry_key
+from engine_ext.span_store.keys import entry_key, rank_key
 from engine_ext.span_store.metrics import StatsDelta
 from span_contract.span_config import SpanConfig, spans_opted_in
 
@@ -64,8 +71,13 @@ class StoreLookup:
 
     def __init__(self, tiers: list[Any], fingerprint: str, block_size: int,
                  span_config: SpanConfig, chunk_tokens: int | None = None,
-                 max_known: int = MAX_KNOWN_KEYS) -> None:
+                 max_known: int = MAX_KNOWN_KEYS, ranks: int = 1) -> None:
         self.tiers = tiers  # persistent tiers (``has`` only; the worker reads them)
+        self.ranks = ranks  # tensor-parallel workers: each holds a part of every block
+        # block id -> the sources its fill reported so far, one per rank (None: that rank failed)
+        self.fill_reports: dict[int, list[str | None]] = {}
+        # key -> whether each rank that reported so far saved its part
+        self.save_reports: dict[str, list[bool]] = {}
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.span_config = span_config
@@ -99,7 +111,7 @@ class StoreLookup:
             self.known.move_to_end(key)
             return "ram"
         for tier in self.tiers:
-            if tier.has(key):
+            if all(tier.has(rank_key(key, rank, self.ranks)) for rank in range(self.ranks)):
                 return str(tier.name)
         return None
 
@@ -217,12 +229,11 @@ class StoreLookup:
                          failed: list[int], saved: list[str], not_saved: list[str]) -> None:
         """Hash filled blocks into the pool, free failed ones, learn saved keys.
 
-        A block some worker failed to fill is failed, whatever another reported: with several
-        workers (vLLM concatenates their reports) a block is cached only if every one of them
-        loaded its part."""
-        failed_ids = set(failed)
-        loaded = [(block_id, source) for block_id, source in loaded
-                  if block_id not in failed_ids]
+        With several workers (vLLM concatenates their reports, each worker reporting a block
+        once) a block is decided when every one reported it: cached only if every one loaded
+        its part, failed if any did not."""
+        loaded, failed_ids = self._decided_fills(loaded, failed)
+        saved, not_saved = self._decided_saves(saved, not_saved)
         for key in saved:
             self.saving.discard(key)
             self.known[key] = None
@@ -255,6 +266,46 @@ class StoreLookup:
             self.known.pop(load.key, None)
             self.counts["failed_loads"] += 1
             pool.free_blocks([load.block])
+
+    def _decided_fills(self, loaded: list[tuple[int, str]], failed: list[int]
+                       ) -> tuple[list[tuple[int, str]], set[int]]:
+        """The fills every rank has now reported: (loaded with a source, failed ids)."""
+        touched: list[int] = []
+        for block_id, source in loaded:
+            self.fill_reports.setdefault(block_id, []).append(source)
+            touched.append(block_id)
+        for block_id in failed:
+            self.fill_reports.setdefault(block_id, []).append(None)
+            touched.append(block_id)
+        done_loaded: list[tuple[int, str]] = []
+        done_failed: set[int] = set()
+        for block_id in dict.fromkeys(touched):
+            reports = self.fill_reports[block_id]
+            if len(reports) < self.ranks:
+                continue  # another rank's read has not landed yet: the block stays held
+            del self.fill_reports[block_id]
+            if all(source is not None for source in reports):
+                done_loaded.append((block_id, str(reports[0])))
+            else:
+                done_failed.add(block_id)
+        return done_loaded, done_failed
+
+    def _decided_saves(self, saved: list[str], not_saved: list[str]
+                       ) -> tuple[list[str], list[str]]:
+        """The saves every rank has now reported: (saved by all, not saved by some)."""
+        touched: list[str] = []
+        for key, ok in [(k, True) for k in saved] + [(k, False) for k in not_saved]:
+            self.save_reports.setdefault(key, []).append(ok)
+            touched.append(key)
+        done_saved: list[str] = []
+        done_not: list[str] = []
+        for key in dict.fromkeys(touched):
+            reports = self.save_reports[key]
+            if len(reports) < self.ranks:
+                continue
+            del self.save_reports[key]
+            (done_saved if all(reports) else done_not).append(key)
+        return done_saved, done_not
 
     def _finish(self, block_id: int) -> _Load | None:
         load = self.in_flight.pop(block_id, None)

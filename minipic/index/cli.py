@@ -142,6 +142,15 @@ def _supervised(args: argparse.Namespace) -> int:
     return supervise(argv, {**os.environ, CHILD_ENV: "1"})
 
 
+def make_store_root(store: Path) -> None:
+    """Create the store folder with the modes the engine's store gives its own folders (0700,
+    whatever the umask): ``minipic index`` often creates it before any server does, and a
+    0755 root would let other local users list which documents are stored."""
+    from engine_ext.span_store.tiers.files import Modes, make_dir
+
+    make_dir(store, Modes.for_access(False))
+
+
 async def _run(args: argparse.Namespace, docs: list[Document], console: Console
                ) -> IndexReport:
     from orchestrator import MinipicError, Orchestrator
@@ -165,7 +174,7 @@ async def _run(args: argparse.Namespace, docs: list[Document], console: Console
         from span_contract.span_store_config import SpanStoreConfig
 
         store = store or default_store_dir()
-        store.mkdir(parents=True, exist_ok=True)
+        make_store_root(store)
         orc = Orchestrator.embedded(
             args.model, options=options, learn_stored_spans=False, block_size=args.block_size,
             max_model_len=args.max_model_len, use_tqdm_on_load=args.verbose,

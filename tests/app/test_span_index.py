@@ -124,6 +124,28 @@ def test_corpus_readers(tmp_path) -> None:
 
 
 @pytest.mark.fast
+def test_index_creates_the_store_with_the_engines_modes(tmp_path) -> None:
+    """``minipic index`` often creates the store before any server: the folders it makes
+    must have the store's own modes (0700), not the umask's 0755."""
+    import os
+    import stat
+
+    from engine_ext.span_store.tiers import DirTier
+    from minipic.index.cli import make_store_root
+
+    old = os.umask(0o022)
+    try:
+        make_store_root(tmp_path / "cache" / "span-store")
+        tier = DirTier(tmp_path / "engine-made" / "span-store", 1 << 20, "fp")
+    finally:
+        os.umask(old)
+    for root in (tmp_path / "cache", tmp_path / "engine-made"):
+        for folder in (root, root / "span-store"):
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    assert tier.usable
+
+
+@pytest.mark.fast
 def test_manifest_torn_tail_and_stored_beliefs(tmp_path) -> None:
     def record(doc: str, keys: tuple[str, ...], fp: str = "fp-a", salt: str | None = None
                ) -> ManifestRecord:
@@ -139,6 +161,7 @@ def test_manifest_torn_tail_and_stored_beliefs(tmp_path) -> None:
     keys = stored_warm_keys([tmp_path], "fp-a")
     assert keys == {(None, "k1"), (salt_digest("tenant"), "k2"), (None, "k4")}
     assert "tenant" not in (tmp_path / MANIFEST_NAME).read_text(), "salts stay digests"
+    assert (tmp_path / MANIFEST_NAME).stat().st_mode & 0o077 == 0, "private like the entries"
 
     registry = WarmthRegistry()
     assert registry.learn_stored(keys) == 3

@@ -13,11 +13,14 @@ Fresh random token ids every run, against the transformers block-mask reference
   an engine on the same folder whose spans a ``--load-format dummy`` (random weights) engine
   stored;
 * tenants: a salted span is never loaded under another salt or unsalted, at any position;
+* tensor parallelism (2 ranks, one core each): each rank stores its part of every block, a
+  store-loaded final equals the reference, and a block one rank cannot find is computed;
 * faults: corrupt / truncated / foreign entries and a store deleted under the running engine
   give misses (the output still equals the reference), never wrong KV or a crash.
 
 One engine for the single-engine tests (disk only, so every load reads and verifies a file);
-the replica, other-weights, dummy-weights and corpus tests start one more each.
+the replica, other-weights, dummy-weights, tensor-parallel and corpus tests start one more
+each.
 """
 
 from __future__ import annotations
@@ -309,6 +312,53 @@ def test_spans_of_random_weights_from_the_same_folder_are_never_loaded(disk_llm,
     assert _delta(after, before, "loaded_blocks") == 0 and out.num_cached_tokens == 0
     err = prompt_error(out, prompt, ref)
     assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
+
+
+def test_tensor_parallel_store_loads_a_block_only_when_every_rank_has_its_part(
+        ref, tmp_path, seed) -> None:
+    """TP = 2 (tiny Llama: 4 KV heads split 2 / 2; SmolLM2's 3 do not split): each rank writes
+    its own part of every span block. After a pool reset the final loads every span block from
+    the store and equals the block-mask reference (the transformers model, one device: the
+    same tolerance as TP = 1, since fp32 all-reduce sums two partial products in another
+    order, ~1e-6 here against 1e-4). With one rank's part of one block deleted, that block is
+    computed (never half-loaded) and the answer still equals the reference."""
+    from span_contract.engine_config import close_llm
+    from span_contract.span_store_config import SpanStoreConfig
+
+    store = tmp_path / "tp-store"
+    llm = _start_with(SpanStoreConfig(dir=str(store), ram_mib=0),
+                      extra={"tensor_parallel_size": 2})
+    try:
+        rng = random.Random(seed)
+        block = llm.minipic_settings.block_size
+        for damaged in (False, True):
+            prompt = random_prompt(llm, rng, ref.vocab_size, [40, 25, 60])
+            blocks = prompt.span_tokens // block
+            files = len(_entries(store)) if store.exists() else 0
+            before = _counts(llm)
+            prefill(llm, prompt.span_prefills)
+            assert _delta(_counts(llm), before, "saved_blocks") == blocks
+            deadline = time.monotonic() + 60
+            while len(_entries(store)) < files + 2 * blocks:  # one part per rank
+                assert time.monotonic() < deadline, "the ranks did not write their parts"
+                time.sleep(0.05)
+            parts = sorted(p.name for p in _entries(store))
+            assert {n.rsplit("-r", 1)[1] for n in parts} == {"0.kvb", "1.kvb"}
+            if damaged:  # the newest block's rank-1 part goes missing
+                newest = max(_entries(store), key=lambda p: p.stat().st_mtime_ns)
+                rank1 = newest.with_name(newest.name.replace("-r0.kvb", "-r1.kvb"))
+                rank1.unlink()
+            assert llm.reset_prefix_cache()
+            before = _counts(llm)
+            out = generate(llm, [prompt.token_ids], pic_sampling())[0]
+            after = _counts(llm)
+            expected = blocks - 1 if damaged else blocks
+            assert _delta(after, before, "loaded_blocks") == expected, (damaged, before, after)
+            assert out.num_cached_tokens == expected * block, f"seed={seed}"
+            err = prompt_error(out, prompt, ref)
+            assert err < REFERENCE_TOL, f"TP=2 off the reference by {err:.2e} (seed={seed})"
+    finally:
+        close_llm(llm)
 
 
 def _start_with(store, pool_blocks: int | None = None, max_model_len: int = 2048,

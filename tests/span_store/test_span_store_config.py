@@ -258,13 +258,24 @@ def test_engine_code_hash_follows_the_code(tmp_path) -> None:
     assert code_hash(tmp_path) != before
 
 
-def test_tensor_parallel_with_the_store_is_refused_with_a_clear_message(tmp_path) -> None:
-    from minipic.serve import _tensor_parallel
+def test_tensor_parallel_gets_a_core_group_per_rank(tmp_path, monkeypatch) -> None:
+    """The store runs with tensor parallelism (tests/span_store/test_span_store.py); on CPU each
+    rank needs its own cores, which minipic sets where the user has not."""
+    from minipic.serve import _tensor_parallel, _tp_thread_binding
+    from span_contract.cpu_runtime import THREADS_BIND_ENV, thread_binding
     from span_contract.engine_config import EngineSettings
 
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineSettings(model="tiny-llama", span_store=str(tmp_path),
-                       extra={"tensor_parallel_size": 2}).resolved()
+    assert thread_binding(2, [0, 1]) == "0|1"
+    assert thread_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
+    assert thread_binding(4, [0, 1]) is None and thread_binding(1, [0, 1]) is None
+    monkeypatch.delenv(THREADS_BIND_ENV, raising=False)
+    settings = EngineSettings(model="tiny-llama", span_store=str(tmp_path),
+                              extra={"tensor_parallel_size": 2}).resolved()
+    expected = thread_binding(2)
+    assert settings.plugin_env().get(THREADS_BIND_ENV) == expected
+    assert _tp_thread_binding(2) == expected and _tp_thread_binding(1) is None
+    monkeypatch.setenv(THREADS_BIND_ENV, "0-1|2-3")  # the user's own: kept
+    assert THREADS_BIND_ENV not in settings.plugin_env() and _tp_thread_binding(2) is None
     assert _tensor_parallel(["--tensor-parallel-size", "2"]) == 2
     assert _tensor_parallel(["-tp=4", "--dtype", "float32"]) == 4
     assert _tensor_parallel(["--dtype", "float32"]) == 1
