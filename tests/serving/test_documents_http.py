@@ -78,26 +78,30 @@ def chat(client: Any, messages: list[dict[str, str]], docs: list[dict[str, str]]
 def test_openai_chat_cold_warm_stream_and_sdk_agree(server, client, sdk, seed) -> None:
     rng = random.Random(seed)
     # SmolLM2 sometimes answers with EOS first (seed 1251024259): an empty answer would make the
-    # text comparisons below vacuous, so draw fresh inputs until the model says something.
+    # text comparisons further down vacuous, so inputs are drawn until the model says
+    # something -- and every draw, the empty ones too, must give the same cold and warm answer
+    # with the same cache evidence (a draw thrown away unchecked could hide a difference).
     for _ in range(4):
         docs = documents(rng, 3)
         system, question = words(rng, 6), words(rng, 5) + "?"
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         cold = chat(client, messages, docs)
+        warm = chat(client, messages, docs)
+        evidence = cold.model_extra["minipic"]
+        assert [s["status"] for s in evidence["spans"]] == ["cold"] * 4  # system + 3 documents
+        assert [s["status"] for s in warm.model_extra["minipic"]["spans"]] == ["warm"] * 4
+        assert warm.model_extra["minipic"]["prefills_sent"] == 0
+        assert warm.choices[0].message.content == cold.choices[0].message.content
+        assert warm.choices[0].finish_reason == cold.choices[0].finish_reason
+        expected = evidence["expected_cached_tokens"]
+        # the server prefilled before the final went: cold and warm finals hit alike
+        for response in (cold, warm):
+            assert response.usage.prompt_tokens_details.cached_tokens == expected > 0
+            assert response.usage.prompt_tokens == evidence["prompt_tokens"]
         if cold.choices[0].message.content:
             break
-    warm = chat(client, messages, docs)
-    evidence = cold.model_extra["minipic"]
-    assert [s["status"] for s in evidence["spans"]] == ["cold"] * 4  # system + 3 documents
-    assert [s["status"] for s in warm.model_extra["minipic"]["spans"]] == ["warm"] * 4
-    assert warm.model_extra["minipic"]["prefills_sent"] == 0
     text = cold.choices[0].message.content
-    assert text and warm.choices[0].message.content == text
-    expected = evidence["expected_cached_tokens"]
-    # the server prefilled before the final went: cold and warm finals hit alike
-    for response in (cold, warm):
-        assert response.usage.prompt_tokens_details.cached_tokens == expected > 0
-        assert response.usage.prompt_tokens == evidence["prompt_tokens"]
+    assert text, "four fresh draws all answered with EOS first"
 
     answer = sdk.answer(question, [as_span_text(d) for d in docs], system, max_tokens=8)
     assert answer.text == text

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
 from engine_ext.span_store.metrics import (
+    OFF_REASONS,
     PERSISTENT_TIERS,
     SOURCES,
     TIERS,
@@ -63,6 +64,10 @@ def test_increases_sum_to_totals(seed) -> None:
         if rng.random() < 0.1:
             counts["saved_blocks"] += 1
             want["saved"] += 1
+        if rng.random() < 0.02 and not any(counts[f"off_{r}"] for r in OFF_REASONS):
+            reason = rng.choice(OFF_REASONS)  # set once, at the connector's start
+            counts[f"off_{reason}"] = 1
+            want[f"off_{reason}"] = 1
         step = delta.take(counts)
         assert all(v > 0 for v in step.values()), step
         shipped.update(step)
@@ -91,7 +96,8 @@ def test_prometheus_children_per_engine_and_label(seed) -> None:
         engine = rng.choice((0, 1))
         data = {f"cached_{rng.choice(SOURCES)}": rng.randrange(1, 500),
                 f"tokens_{rng.choice(TIERS)}": rng.randrange(1, 500),
-                f"{rng.choice(WRITE_EVENTS)}_{rng.choice(PERSISTENT_TIERS)}": rng.randrange(3)}
+                f"{rng.choice(WRITE_EVENTS)}_{rng.choice(PERSISTENT_TIERS)}": rng.randrange(3),
+                f"off_{rng.choice(OFF_REASONS)}": rng.randrange(2)}
         stats = SpanStoreStats(data=data).aggregate(stats)
         prom.observe(data, engine)
         sent[engine].update(data)
@@ -114,6 +120,11 @@ def test_prometheus_children_per_engine_and_label(seed) -> None:
                                                 {"model_name": "m", "engine": str(engine),
                                                  "tier": tier})
                 assert got == sent[engine][f"{event}_{tier}"], (seed, engine, event, tier)
+        for reason in OFF_REASONS:
+            got = registry.get_sample_value("minipic:span_store_off_total",
+                                            {"model_name": "m", "engine": str(engine),
+                                             "reason": reason})
+            assert got == sent[engine][f"off_{reason}"], (seed, engine, reason)
     # a Counter sum drops zero counts; a counter that stayed at 0 is the same report
     reduced = {k: v for k, v in stats.reduce().items() if v}
     assert reduced == dict(sorted((sent[0] + sent[1]).items()))
