@@ -29,15 +29,6 @@ ROUTERS = {
     "round_robin": "serving.span_router.RoundRobinRouter",
     "pow2": None,
 }
-# The span router's max_imbalance: how many requests in flight a replica holding a request's
-# spans may have above the least loaded one and still get it. Alone, a replica's pool is the only
-# place its spans are, and a miss recomputes them: affinity is worth a queue. With a shared span
-# store, a replica that misses loads the spans other replicas stored instead, so affinity is only
-# a tie-break between replicas within one request of the least loaded (measured,
-# benchmarks/cluster_routing.py: with the store, 4 piled load on the replica that computed the
-# spans and ran at 0.85x round robin's samples/s).
-MAX_IMBALANCE = 4
-MAX_IMBALANCE_SHARED_STORE = 1
 # requests one replica takes at once: vLLM batches them itself; Ray's default (5) would queue
 # the client's pipelined span prefills in front of the engine instead of inside it
 MAX_ONGOING_PER_REPLICA = 64
@@ -48,7 +39,10 @@ def build_app(settings: EngineSettings, *, replicas: int, router: str = "span",
               max_imbalance: int | None = None, enable_cache_reset: bool = False) -> Any:
     """The application for resolved ``settings`` (the ones ``minipic serve`` would run).
 
-    ``max_imbalance`` (span router) defaults by whether the replicas share a span store."""
+    ``max_imbalance`` (span router): None decides it at run time by whether the replicas really
+    share one span store (each reports its store's identity, ``serving.store_identity``), not by
+    whether a shared directory is configured: the same path on several nodes is often a local
+    disk on each."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -68,8 +62,6 @@ def build_app(settings: EngineSettings, *, replicas: int, router: str = "span",
         ray_actor_options={"num_cpus": 0},
         health_check_period_s=5, health_check_timeout_s=60, graceful_shutdown_timeout_s=30,
     )
-    if max_imbalance is None:
-        max_imbalance = default_max_imbalance(settings)
     router_cls = ROUTERS[router]
     if router_cls is not None:  # an import path: Ray imports it where each handle lives
         kwargs = {"hash_fingerprint": setup.fingerprint(), "max_imbalance": max_imbalance} \
@@ -87,14 +79,6 @@ def build_app(settings: EngineSettings, *, replicas: int, router: str = "span",
                         replicas=replicas, router=router, hash_setup=setup)
 
 
-def default_max_imbalance(settings: EngineSettings) -> int:
-    """The span router's ``max_imbalance`` for these replicas: small where they share a span
-    store (a miss loads what another replica stored), large where each has only its pool."""
-    store = settings.span_store
-    shared = settings.pic and store is not None and store.shared_dir is not None
-    return MAX_IMBALANCE_SHARED_STORE if shared else MAX_IMBALANCE
-
-
 def run_cluster(settings: EngineSettings, *, replicas: int, host: str, port: int,
                 router: str = "span", served_name: str = "minipic", address: str | None = None,
                 replicas_per_node: int | None = None, enable_cache_reset: bool = False) -> int:
@@ -102,11 +86,16 @@ def run_cluster(settings: EngineSettings, *, replicas: int, host: str, port: int
     import ray
     from ray import serve
 
+    from serving.documents.bodies import Limits
+
     logging.getLogger("ray").setLevel(logging.WARNING)
     # LD_PRELOAD is for the vLLM servers only: each replica computes it again for its own
-    # server (EngineReplica), and Ray's worker processes keep their own allocator
-    runtime_env = {"env_vars": {k: v for k, v in settings.plugin_env().items()
-                                if k != "LD_PRELOAD"}}
+    # server (EngineReplica), and Ray's worker processes keep their own allocator.
+    # The request limits (--max-body-mib ...) go to every process of the job, on every node:
+    # the ingress applies the body limit as the replicas' servers do (serving.body_limit);
+    # inheriting this process's environment would reach only processes Ray starts from it
+    env_vars = {k: v for k, v in settings.plugin_env().items() if k != "LD_PRELOAD"}
+    runtime_env = {"env_vars": {**env_vars, **Limits.from_env().env()}}
     if address is None:
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
                  runtime_env=runtime_env, logging_level=logging.WARNING)

@@ -11,6 +11,11 @@ engine's hasher), hands the request to the engine deployment through Ray, whose 
 produced anything is retried on another (``MAX_ATTEMPTS``, with backoff): its questions are
 answered elsewhere, none is lost. A stream cut after its first bytes ends with an explicit error
 event, never silently.
+
+A request body passes ``serving.body_limit`` before anything else reads it: the limit a server
+applies (``minipic serve --max-body-mib``, ``Limits`` from this process's environment) and its
+413, applied here too, so that an oversized body is refused before the ingress holds, parses or
+hashes it, not only later inside a replica.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine_ext.endpoints import RESET_PATH
+from serving.body_limit import BodyLimitMiddleware, error_body
 from serving.request_blocks import HashSetup, RequestBlockHasher, RoutedRequest
 from span_contract.engine_config import EngineSettings
 
@@ -36,12 +42,15 @@ REPLICA_HEADER = "x-minipic-replica"
 ENGINE_DEPLOYMENT = "engine"
 
 app = FastAPI(title="minipic cluster")
+# added before ``serve.ingress`` below takes its copy of the app (later changes would not reach
+# the deployment); outermost of the app's own layers, so no route sees an unbounded body
+app.add_middleware(BodyLimitMiddleware)
 
 
-def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+def _error(status: int, message: str, kind: str = "BadRequestError") -> Response:
     """vLLM's error body, so clients parse cluster errors as they parse a server's."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": status}}, status_code=status)
+    return Response(error_body(status, message, kind), status_code=status,
+                    media_type="application/json")
 
 
 class _ReplicaLost(Exception):
@@ -155,7 +164,7 @@ class ClusterIngress:
     # -- plumbing -------------------------------------------------------------------------------
 
     async def _body(self, request: Request) -> dict[str, Any] | Response:
-        raw = await request.body()
+        raw = await request.body()  # within the limit: BodyLimitMiddleware read it first
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:

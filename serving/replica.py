@@ -14,7 +14,9 @@ What a replica adds to the stock server:
 * its server dies with it: the server runs under ``serving.supervise.GuardedProcess``, so a
   replica actor killed outright leaves no API server, EngineCore or worker behind;
 * on CPU, replicas of one node split its cores (``VLLM_CPU_OMP_THREADS_BIND``) instead of each
-  binding every core.
+  binding every core;
+* the identity of the span store it was pointed at (``store_id``, ``serving.store_identity``), so
+  that the router treats the store as shared only when every replica reached the same one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import httpx
 
 from engine_ext.endpoints import CACHE_RESET_ENV
 from serving.request_blocks import HashSetup, RoutedRequest, none_hash_seed
+from serving.store_identity import STAT_KEY, ReplicaStore
 from serving.supervise import GuardedProcess
 from span_contract.engine_config import EngineSettings
 
@@ -99,6 +102,9 @@ class EngineReplica:
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(
             None, connect=10.0))
         self._wait_ready()
+        # after the server is up: its store tier made the folder with the tier's modes first
+        self.store = ReplicaStore.of_settings(settings)
+        self.store.identity()
 
     def _log_tail(self, lines: int = 40) -> str:
         with open(self.log_path, "rb") as f:
@@ -124,7 +130,9 @@ class EngineReplica:
     # -- Ray Serve hooks ------------------------------------------------------------------------
 
     def record_routing_stats(self) -> dict[str, Any]:
-        return dict(self.stats)
+        # the store identity again each time: a store folder deleted and recreated is another
+        # store (one lstat unless the id file changed)
+        return {**self.stats, STAT_KEY: self.store.identity()}
 
     async def check_health(self) -> None:
         if not self.server.alive():

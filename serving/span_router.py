@@ -25,6 +25,10 @@ The policy, in order:
 
 A replica whose hash setup differs from the ingress's (``hash_fingerprint``) is routed by load
 only: its events could never match. A wrong belief costs a recomputed span, never an answer.
+
+``max_imbalance`` is, unless fixed by the deployment, decided from the replicas' own reports
+(``serving.store_identity``): small only while every replica reports the same span store, since
+only then does a replica that misses load what another computed.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from ray.serve.request_router import (
@@ -47,6 +52,7 @@ from serving import router_registry
 from serving.block_index import BlockIndex
 from serving.kv_events import EventSource, KvEventSubscriber
 from serving.request_blocks import RoutedRequest
+from serving.store_identity import STAT_KEY, StoreDecision, decide, log_decision
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +63,15 @@ def replica_key(replica_id: ReplicaID) -> str:
 class SpanAffinityRouter(FIFOMixin, RequestRouter):
     """Score replicas by the request's span blocks they hold, anywhere in the prompt."""
 
-    def initialize_state(self, hash_fingerprint: str | None = None, max_imbalance: int = 4,
-                         expect_ttl_s: float = 30.0, group_ttl_s: float = 120.0) -> None:
+    def initialize_state(self, hash_fingerprint: str | None = None,
+                         max_imbalance: int | None = None, expect_ttl_s: float = 30.0,
+                         group_ttl_s: float = 120.0) -> None:
+        """``max_imbalance`` None: decided from the replicas' store identities (``_sync_store``),
+        as for per-replica stores until every replica reported one and the same."""
         self.hash_fingerprint = hash_fingerprint
-        self.max_imbalance = max_imbalance
+        self.fixed_imbalance = max_imbalance
+        self.store: StoreDecision | None = None
+        self.max_imbalance = decide([]).max_imbalance if max_imbalance is None else max_imbalance
         self.group_ttl_s = group_ttl_s
         self.index = BlockIndex(expect_ttl_s=expect_ttl_s)
         self.events = KvEventSubscriber(self.index)
@@ -89,6 +100,17 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
         if sources != self._sources:
             self._sources = sources
             self.events.set_sources(sources)
+        self._sync_store(self.curr_replicas.values())
+
+    def _sync_store(self, replicas: Iterable[RunningReplica]) -> None:
+        """Shared-store routing or not, from the store identity each replica reports; logged
+        when it changes."""
+        decision = decide((r.routing_stats or {}).get(STAT_KEY) for r in replicas)
+        if decision != self.store:
+            self.store = decision
+            log_decision(decision)
+        if self.fixed_imbalance is None:
+            self.max_imbalance = decision.max_imbalance
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -222,6 +244,9 @@ class SpanAffinityRouter(FIFOMixin, RequestRouter):
             "decisions": dict(self.decisions),
             "choose_ms_mean": self.choose_ms / self.chosen if self.chosen else 0.0,
             "max_imbalance": self.max_imbalance,
+            "store": None if self.store is None else {
+                "shared": self.store.shared, "kind": self.store.kind, "why": self.store.why,
+                "max_imbalance_fixed": self.fixed_imbalance is not None},
         }
 
 

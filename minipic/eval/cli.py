@@ -10,6 +10,11 @@ match with full attention and the first divergence, EM / F1 against the gold ans
 mode's warm TTFT, in one run; paired bootstrap CIs throughout (``minipic/eval/metrics.py``).
 Writes ``eval.json`` (summary, per item, per-line errors), ``eval.md`` (the table) and
 ``eval.png`` (quality vs TTFT) to ``--out``. ``evaluate()`` is the same from Python.
+
+A model ``minipic tune`` wrote is never scored on an item it was tuned on: the items its folder's
+``minipic_tune.json`` lists are dropped (``minipic/tune/data.py``). With ``--url`` the folder is
+the one the server says it loaded (``served_model_dir``); when that cannot be read here, eval
+refuses unless ``--unchecked-model`` is given.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from minipic.eval.datasets import EvalItem, builtin_items, load_jsonl
 from minipic.eval.report import evaluate, table, write
 from minipic.eval.runner import DEFAULT_MODES
 
-__all__ = ["add_subparser", "run"]
+__all__ = ["ModelNotCheckableError", "add_subparser", "run", "served_model_dir", "untuned_items"]
 
 
 def add_subparser(subparsers: argparse._SubParsersAction) -> None:
@@ -43,6 +48,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                    help="documents per built-in item, MIN-MAX (default 3-10)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
     p.add_argument("--url", help="a running `minipic serve` (default: an embedded engine)")
+    p.add_argument("--unchecked-model", action="store_true",
+                   help="with --url, when the served model's folder cannot be read here: score "
+                        "every item without checking whether the served model was tuned on "
+                        "some of them (`minipic tune`; default: refuse)")
     p.add_argument("--model", default=None, help="embedded model (default SmolLM2-135M)")
     p.add_argument("--reference-model", default=None,
                    help="compare every mode with this model's full attention instead of the "
@@ -82,21 +91,10 @@ def run(args: argparse.Namespace) -> int:
         items, errors = loaded.items, loaded.errors
     else:
         items = builtin_items(args.data, args.n, args.seed, (low, high), args.max_words)
-    if not args.url:
-        from minipic.tune.data import without_tuned
-        from span_contract.errors import BadInputError
-        from span_contract.models import resolve_model
-
-        try:
-            items, dropped = without_tuned(items, resolve_model(args.model))
-        except BadInputError as exc:
-            print(f"minipic eval: {exc}")
-            return 2
-        if dropped:
-            print(f"minipic eval: {dropped} item(s) dropped: the model was tuned on them")
-        if not items:
-            print("minipic eval: no item left to score")
-            return 2
+    kept = untuned_items(args, items)
+    if kept is None:
+        return 2
+    items = kept
     print(f"minipic eval: {len(items)} items, modes {modes}, "
           f"{'server ' + args.url if args.url else 'embedded engine'}")
     from orchestrator import Orchestrator
@@ -116,6 +114,86 @@ def run(args: argparse.Namespace) -> int:
     print(table(report))
     print(f"wrote {args.out}/eval.json, eval.md, eval.png")
     return 0
+
+
+class ModelNotCheckableError(Exception):
+    """The served model's folder cannot be read here, so which items it was tuned on is
+    unknown."""
+
+
+def served_model_dir(url: str, timeout: float = 10.0) -> Path:
+    """The folder the server at ``url`` loaded its model from: the ``root`` of its one
+    ``GET /v1/models`` entry (vLLM's OpenAI server names the path it loaded there), when that
+    folder is on this machine. ``ModelNotCheckableError`` saying why not otherwise.
+
+    Why ask the server: ``--url`` gives no model folder, and the one the user might pass could
+    be another model than the one answering."""
+    import httpx
+
+    endpoint = url.rstrip("/") + "/v1/models"
+    try:
+        answer = httpx.get(endpoint, timeout=timeout)
+        answer.raise_for_status()
+        cards = answer.json()["data"]
+    except httpx.HTTPError as exc:
+        raise ModelNotCheckableError(f"cannot read {endpoint} ({type(exc).__name__}: "
+                                     f"{exc})") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelNotCheckableError(f"{endpoint} is not a model list ({exc!r})") from exc
+    if not isinstance(cards, list) or len(cards) != 1 or not isinstance(cards[0], dict):
+        names = [c.get("id") for c in cards if isinstance(c, dict)] if isinstance(
+            cards, list) else cards
+        raise ModelNotCheckableError(f"{endpoint} lists {names!r}, not one model")
+    root = cards[0].get("root")
+    if not isinstance(root, str) or not root:
+        raise ModelNotCheckableError(f"{endpoint} does not say which folder the model was "
+                                     f"loaded from (no 'root')")
+    folder = Path(root)
+    if not folder.is_absolute():
+        # relative to the server's working directory, which this process cannot know
+        raise ModelNotCheckableError(f"the server names its model by the relative path "
+                                     f"{root!r}; serve it by an absolute path")
+    if not folder.is_dir():
+        raise ModelNotCheckableError(f"the served model's folder {root} is not on this "
+                                     f"machine")
+    return folder
+
+
+def untuned_items(args: argparse.Namespace, items: list[EvalItem]) -> list[EvalItem] | None:
+    """``items`` minus those the evaluated model (embedded, or the one ``--url`` serves) was
+    tuned on, saying how many were dropped; None, after saying why, when eval must stop."""
+    from minipic.tune.data import without_tuned
+    from span_contract.errors import BadInputError
+    from span_contract.models import resolve_model
+
+    model_dir: str | Path | None = None
+    if args.url:
+        try:
+            model_dir = served_model_dir(args.url)
+        except ModelNotCheckableError as exc:
+            if not getattr(args, "unchecked_model", False):
+                print(f"minipic eval: cannot check which items the served model was tuned on: "
+                      f"{exc}. A model `minipic tune` wrote must not be scored on its tuning "
+                      f"items: run eval where its folder is readable, or pass "
+                      f"--unchecked-model to score every item unchecked")
+                return None
+            print(f"minipic eval: warning: {exc}; scoring every item without checking whether "
+                  f"the served model was tuned on it (--unchecked-model)")
+    else:
+        model_dir = resolve_model(args.model)
+    dropped = 0
+    if model_dir is not None:
+        try:
+            items, dropped = without_tuned(items, model_dir)
+        except BadInputError as exc:
+            print(f"minipic eval: {exc}")
+            return None
+    if dropped:
+        print(f"minipic eval: {dropped} item(s) dropped: the model was tuned on them")
+    if not items:
+        print("minipic eval: no item left to score")
+        return None
+    return items
 
 
 async def _run(args: argparse.Namespace, orc: Any, items: list[EvalItem], modes: list[str],

@@ -19,6 +19,7 @@ Writes to ``--out``:
   checkpoints/    last.pt, for --resume
   heldout.jsonl   the held-out items (a JSONL --data; built-in data: eval's own default set)
   tune.json, tune.md, tune.png   settings, wall time, loss curve and the held-out report
+                  (of model/ as saved, read back: its dtype, not the float32 of tuning)
 """
 
 from __future__ import annotations
@@ -183,10 +184,14 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
     state = trainer.train(student, builder, loaded.train, settings, args.out, resume=args.resume,
                           save_every=args.save_every, progress=tqdm)
     tune_data.write_heldout(loaded.heldout, args.out / "heldout.jsonl")
+    to_score = loaded.heldout[: args.report_n]
+    staged = args.out / "model.tmp"  # becomes model/ once its manifest is written
+    saved_dtype, saved = _save_merged(student, model_dir, staged, settings, device,
+                                      load_back=bool(to_score))
     records, errors = [], []
-    for item in tqdm(loaded.heldout[: args.report_n], desc="held-out report", unit="item"):
+    for item in tqdm(to_score, desc="held-out report", unit="item"):
         try:
-            records.append(report.score_item(student, builder, item, args.max_tokens))
+            records.append(report.score_item(saved, builder, item, args.max_tokens))
         except BadInputError as exc:
             errors.append({"id": item.id, "error": str(exc)[:200]})
     summary = report.summarize(records, args.seed) if records else None
@@ -197,6 +202,7 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
         **{k: getattr(settings, k) for k in ("steps", "batch", "lr", "lora_rank",
                                              "lora_alpha", "max_tokens", "seed", "dtype",
                                              "keep_full")},
+        "saved_dtype": saved_dtype, "scored": saved.describe() if saved is not None else None,
         "device": device, "gradient_checkpointing": checkpointing,
         "method": settings.describe(),
         "train_items": len(loaded.train), "skipped_items": len(state["skipped"]),
@@ -205,9 +211,9 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__},
     }
-    _save_merged(student, model_dir, args.out / "model",
-                 {**meta, "settings": state["settings"], "data": loaded.manifest(),
-                  "final_loss": state["losses"][-1] if state["losses"] else None})
+    _publish(staged, args.out / "model",
+             {**meta, "settings": state["settings"], "data": loaded.manifest(),
+              "final_loss": state["losses"][-1] if state["losses"] else None})
     (args.out / "tune.json").write_text(json.dumps(
         {"meta": meta, "losses": state["losses"], "summary": summary, "items": records,
          "errors": errors, "skipped": state["skipped"]}, indent=1))
@@ -230,23 +236,53 @@ def _builder(model_dir: str, settings: Any) -> Any:
                                          pad_id=span.pad_id, max_model_len=settings.max_model_len)
 
 
-def _save_merged(student: Any, base_dir: str, target: Path, manifest: dict[str, Any]) -> None:
-    """The tuned weights (an adapter folded in), in the base model's dtype, with its
-    tokenizer: an ordinary model folder, written whole then renamed into place."""
+def _save_merged(student: Any, base_dir: str, folder: Path, settings: Any, device: str,
+                 load_back: bool = True) -> tuple[str, Any]:
+    """Write the tuned weights (an adapter folded in), in the base model's dtype, with its
+    tokenizer, to ``folder`` (``_publish`` adds the manifest and moves it into place), and
+    return the dtype written and what the report scores (``report.SavedModel``; None without
+    ``load_back``): those weights read back from ``folder`` in the tuning dtype, the untuned
+    base, and, when the cast to the base's dtype rounded them, the weights before it.
+
+    Why read them back: the report must score the model a user gets. Tuning on CPU keeps
+    float32 weights and SmolLM2 saves bfloat16; scoring the float32 ones described a model that
+    exists only in this process."""
+    import copy
+
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    from minipic.tune import report, trainer
+
     base_config = AutoConfig.from_pretrained(base_dir)
     dtype = getattr(base_config, "dtype", None) or getattr(base_config, "torch_dtype", None)
-    merged = student.merged().to("cpu")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    merged = student.merged().to("cpu")  # LoRA: merged in place, the base is gone from memory
+    rounds = isinstance(dtype, torch.dtype) and dtype != merged.dtype and (
+        torch.finfo(dtype).bits <= torch.finfo(merged.dtype).bits)  # a wider dtype is exact
+    written = merged
     if isinstance(dtype, torch.dtype):
-        merged = merged.to(dtype)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(base_dir).save_pretrained(tmp)
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        # a copy only where the weights before the rounding are scored too
+        written = copy.deepcopy(merged).to(dtype) if rounds and load_back else merged.to(dtype)
+    shutil.rmtree(folder, ignore_errors=True)
+    written.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(folder)
+    saved_dtype = str(written.dtype).removeprefix("torch.")
+    del written
+    if not load_back:
+        return saved_dtype, None
+    scored = trainer.load_plain(folder, settings.dtype, device).eval().requires_grad_(False)
+    base = student.frozen
+    if base is None:
+        base = trainer.load_plain(base_dir, settings.dtype, device).eval().requires_grad_(False)
+    unrounded = merged.to(device).eval() if rounds else None
+    return saved_dtype, report.SavedModel(scored, base, saved_dtype, settings.dtype, unrounded)
+
+
+def _publish(folder: Path, target: Path, manifest: dict[str, Any]) -> None:
+    """The staged model folder with its manifest, renamed into place whole: ``target`` never
+    holds a model without the manifest that ``minipic eval`` filters by."""
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    folder.rename(target)

@@ -11,12 +11,18 @@ prompt and its greedy answer ``A`` (the answer a user would get without minipic)
 Per answer token: KL(base full ‖ row) and top-1 agreement; per item, F1 against the gold answer
 of the greedy answers of the base and tuned models on the plain prompt. Paired bootstrap CIs
 (``minipic.eval.metrics``). ``minipic eval --model DIR`` measures the merged model on the engine.
+
+``minipic tune`` scores the model it saved (``SavedModel``): the weights read back from the
+output folder, in the base model's dtype, not the float32 weights tuning left in memory; when
+saving rounded them, the rounded-away weights are scored too (``unrounded_block``).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,9 +34,40 @@ from span_contract.errors import BadInputError
 ROWS = ("base_block", "tuned_block", "tuned_full")
 
 
+class SavedModel:
+    """What the closing report of ``minipic tune`` scores, in ``score_item``'s place of a
+    student: the tuned model as saved (``model``: the folder's weights, ``weights_dtype``,
+    loaded back in ``compute_dtype``), the untuned base beside it, and ``unrounded``: the tuned
+    weights before saving rounded them to ``weights_dtype`` (None when saving kept them as
+    they were).
+
+    Why: a user serves the saved folder; weights that existed only in memory (float32 while
+    tuning, the base's bfloat16 on disk) are not the model that was tuned, as far as they go."""
+
+    def __init__(self, model: Any, base: Any, weights_dtype: str, compute_dtype: str,
+                 unrounded: Any = None) -> None:
+        self.model = model
+        self._base = base
+        self.weights_dtype = weights_dtype
+        self.compute_dtype = compute_dtype
+        self.unrounded = unrounded
+
+    @contextmanager
+    def base(self) -> Iterator[Any]:
+        yield self._base
+
+    def describe(self) -> dict[str, Any]:
+        """For the report's meta: what the tuned rows scored."""
+        return {"weights": "as saved", "weights_dtype": self.weights_dtype,
+                "compute_dtype": self.compute_dtype,
+                "unrounded_scored": self.unrounded is not None}
+
+
 @torch.no_grad()
 def score_item(student: Any, builder: Any, item: Any, max_tokens: int) -> dict[str, Any]:
-    """``student``: a ``trainer.Student`` (the tuned weights and their base)."""
+    """``student``: a ``trainer.Student`` (the tuned weights in memory and their base) or a
+    ``SavedModel`` (the saved weights, their base, and the weights before saving rounded them:
+    the extra row ``unrounded_block``)."""
     with student.base() as base:
         ex = objective.make_example(base, builder, item, max_tokens)
         reference = objective.log_probs(base, ex.teacher_ids, ex.shared)
@@ -38,11 +75,15 @@ def score_item(student: Any, builder: Any, item: Any, max_tokens: int) -> dict[s
     model = student.model
     tuned_block = objective.log_probs(model, ex.student_ids, ex.shared, ex.runs)
     tuned_full = objective.log_probs(model, ex.teacher_ids, ex.shared)
+    rows = [("base_block", base_block), ("tuned_block", tuned_block), ("tuned_full", tuned_full)]
+    unrounded = getattr(student, "unrounded", None)
+    if unrounded is not None:
+        rows.append(("unrounded_block",
+                     objective.log_probs(unrounded, ex.student_ids, ex.shared, ex.runs)))
     answer_rows = slice(-len(ex.answer) - 1, -1)  # the rows that predict A's tokens
     p = reference[answer_rows]
     record: dict[str, Any] = {"id": item.id, "answer_tokens": len(ex.answer)}
-    for name, q in (("base_block", base_block), ("tuned_block", tuned_block),
-                    ("tuned_full", tuned_full)):
+    for name, q in rows:
         q = q[answer_rows]
         record[name] = {"kl": float(objective.kl_rows(p, q).mean()),
                         "top1": float((p.argmax(-1) == q.argmax(-1)).float().mean())}
@@ -73,6 +114,12 @@ def summarize(records: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
         out[row] = {k: ci([r[row][k] for r in records]) for k in ("kl", "top1")}
     out["tuned_minus_base_block_kl"] = ci([r["tuned_block"]["kl"] - r["base_block"]["kl"]
                                           for r in records])
+    if all("unrounded_block" in r for r in records):
+        out["unrounded_block"] = {k: ci([r["unrounded_block"][k] for r in records])
+                                  for k in ("kl", "top1")}
+        # what saving in a narrower dtype cost (or gained) against the weights tuning made
+        out["saved_minus_unrounded_block_kl"] = ci(
+            [r["tuned_block"]["kl"] - r["unrounded_block"]["kl"] for r in records])
     with_gold = [r for r in records if "f1_base" in r]
     if with_gold:
         gold_idx = metrics.bootstrap_indices(len(with_gold), seed=seed)
@@ -99,6 +146,7 @@ def table(summary: dict[str, Any], meta: dict[str, Any]) -> str:
              f"{meta['wall_s'] / 60:.1f} min on {meta['threads']} threads.", "",
              f"Held-out items: n = {summary['n']}, scored against the base model's full "
              f"attention (its plain prompt and greedy answer). 95% paired bootstrap CIs.", "",
+             *_scored_line(meta),
              "| row | KL(base full ‖ row) per answer token | top-1 agreement, % |",
              "|---|---|---|"]
     names = {"base_block": "base, block_attention", "tuned_block": "tuned, block_attention",
@@ -108,11 +156,25 @@ def table(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                      f"{_fmt(summary[row]['top1'], 1, 100)} |")
     lines += ["", f"Tuned − base under block_attention, KL: "
                   f"{_fmt(summary['tuned_minus_base_block_kl'])}"]
+    if "unrounded_block" in summary:
+        what = meta.get("scored", {})
+        lines.append(f"Before saving rounded them to {what.get('weights_dtype', '?')}, the "
+                     f"tuned weights ({what.get('compute_dtype', '?')}) under block_attention, "
+                     f"KL: {_fmt(summary['unrounded_block']['kl'])}; saved − unrounded: "
+                     f"{_fmt(summary['saved_minus_unrounded_block_kl'])}")
     if "f1_base" in summary:
         lines.append(f"F1 against gold, plain prompt: base {_fmt(summary['f1_base'])}, tuned "
                      f"{_fmt(summary['f1_tuned'])} (difference "
                      f"{_fmt(summary['f1_tuned_minus_base'])})")
     return "\n".join(lines)
+
+
+def _scored_line(meta: dict[str, Any]) -> list[str]:
+    what = meta.get("scored")
+    if not what:
+        return []
+    return [f"Tuned rows score the saved model: its {what['weights_dtype']} weights read back "
+            f"from {meta['out']}, computed in {what['compute_dtype']} (the base too).", ""]
 
 
 def plot(losses: list[float], summary: dict[str, Any], path: Any) -> None:

@@ -90,10 +90,21 @@ class Student:
         self.model = model
         self.method = method
         self._frozen = frozen
+        self._merged = False
+
+    @property
+    def frozen(self) -> Any:
+        """The separate untouched copy (full fine-tuning), or None (LoRA: the base is the same
+        weights with the adapter off)."""
+        return self._frozen
 
     @contextmanager
     def base(self) -> Iterator[Any]:
         """The untuned model, to answer and score as the user's model does today."""
+        if self._merged and self._frozen is None:
+            # with the adapter folded in, "adapter off" would be the tuned weights
+            raise RuntimeError("the LoRA adapter is merged into the weights: the untuned base "
+                               "is gone from memory; load it again from its folder")
         if self._frozen is not None:
             yield self._frozen
         else:
@@ -120,8 +131,21 @@ class Student:
             self.model.load_state_dict(saved)
 
     def merged(self) -> Any:
-        """An ordinary transformers model holding the tuned weights."""
-        return self.model.merge_and_unload() if self.method == "lora" else self.model
+        """An ordinary transformers model holding the tuned weights. LoRA folds the adapter
+        into the base weights in place: ``base()`` refuses afterwards."""
+        if self.method == "lora":
+            self._merged = True
+            return self.model.merge_and_unload()
+        return self.model
+
+
+def load_plain(model_dir: str | Path, dtype: str, device: str = "cpu") -> Any:
+    """A model folder as an ordinary transformers model, in ``dtype`` on ``device``: how the
+    student and its frozen base are loaded, and how the report loads the saved model back."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device)
 
 
 def load_student(model_dir: str, settings: TuneSettings, device: str = "cpu",
@@ -131,14 +155,11 @@ def load_student(model_dir: str, settings: TuneSettings, device: str = "cpu",
     ``checkpointing``: recompute each layer's activations in the backward pass instead of
     keeping them (what lets an 8B model's multi-thousand-token prompts fit on one GPU; the
     gradients are the same)."""
-    from transformers import AutoModelForCausalLM
-
     if settings.method not in METHODS:
         raise BadInputError(f"method {settings.method!r}: one of {', '.join(METHODS)}")
 
     def load() -> Any:
-        return AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, settings.dtype), attn_implementation="sdpa").to(device)
+        return load_plain(model_dir, settings.dtype, device)
 
     torch.manual_seed(settings.seed)
     base = load()
@@ -191,13 +212,33 @@ class Checkpoints:
         return saved
 
 
+def failed_items(skipped: list[dict[str, Any]], items: list[Any]) -> dict[int, dict[str, Any]]:
+    """The items that could not be laid out, by position in ``items``, one record each, from a
+    run's ``skipped`` records. Records from checkpoints written before positions were kept
+    (one per failure, named by id only) are matched by id (an id several items share marks
+    them all), so such a run resumes too, with its repeated records merged."""
+    failed: dict[int, dict[str, Any]] = {}
+    by_id: dict[str, list[int]] = {}
+    for position, item in enumerate(items):
+        by_id.setdefault(item.id, []).append(position)
+    for record in skipped:
+        positions = ([record["index"]] if "index" in record
+                     else by_id.get(record.get("id"), []))
+        for position in positions:
+            failed.setdefault(position, {**record, "index": position})
+    return failed
+
+
 def train(student: Student, builder: Any, items: list[Any], settings: TuneSettings,
           run_dir: Path, *, resume: bool, save_every: int, progress: Callable[..., Any],
           on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the steps (from the last checkpoint when ``resume``); returns the loss history and
-    timings. Items that fail to lay out (too long for ``max_model_len``) are skipped and
-    counted, never fatal. ``on_step`` sees the state after every step (a run cut short by a
-    time limit still leaves its loss curve)."""
+    timings. An item that fails to lay out (too long for ``max_model_len``) is recorded once in
+    ``state["skipped"]`` and passed over in every later epoch without another try: a layout
+    depends only on the item and the settings, so it would fail again, and counting each
+    failure (not each item) would end a long run, and its resume, over a few bad items. Only a
+    set where every item fails is an error. ``on_step`` sees the state after every step (a run
+    cut short by a time limit still leaves its loss curve)."""
     from transformers import get_cosine_schedule_with_warmup
 
     params = student.trainable()
@@ -213,6 +254,8 @@ def train(student: Student, builder: Any, items: list[Any], settings: TuneSettin
     if resume and checkpoints.path.exists():
         saved = checkpoints.load(student, optimizer, schedule, settings.digest())
         state.update({k: saved[k] for k in ("step", "cursor", "losses", "skipped", "seconds")})
+    failed = failed_items(state["skipped"], items)
+    state["skipped"] = list(failed.values())
     bar = progress(total=settings.steps, initial=state["step"], desc="tuning", unit="step")
     started = time.perf_counter() - state["seconds"]
     while state["step"] < settings.steps:
@@ -220,17 +263,21 @@ def train(student: Student, builder: Any, items: list[Any], settings: TuneSettin
         step_losses = []
         while len(step_losses) < settings.batch:
             epoch, index = divmod(state["cursor"], len(items))
-            item = items[item_order(len(items), settings.seed, epoch)[index]]
+            position = item_order(len(items), settings.seed, epoch)[index]
+            item = items[position]
             state["cursor"] += 1
+            if position in failed:  # it cannot fit in a later epoch either
+                continue
             model.eval()  # the teacher's answer and targets: inference, whatever trains
             try:
                 with torch.no_grad(), student.base() as teacher:
                     ex = objective.make_example(teacher, builder, item, settings.max_tokens)
                     target = objective.teacher_targets(teacher, ex)
             except BadInputError as exc:
-                if len(state["skipped"]) >= len(items):
+                failed[position] = {"id": item.id, "index": position, "error": str(exc)[:200]}
+                state["skipped"].append(failed[position])
+                if len(failed) == len(items):
                     raise BadInputError(f"no item could be laid out: {exc}") from exc
-                state["skipped"].append({"id": item.id, "error": str(exc)[:200]})
                 continue
             model.train()
             loss = objective.distillation_loss(model, ex, target,

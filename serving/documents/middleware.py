@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from orchestrator.errors import MinipicError
+from serving.body_limit import BodyTooLarge, read_body, replay, send_error, send_too_large
 from serving.documents import chat_render
 from serving.documents.bodies import (
     DOCUMENTS_KEY,
@@ -48,36 +49,6 @@ Send = Callable[[Message], Awaitable[None]]
 STATE_ATTR = "minipic_documents"  # app.state: the ServerSide, set by the endpoint plugin
 
 
-class BodyTooLarge(Exception):
-    """The request body is over the server's limit."""
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionError("client disconnected while sending the body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _declared_length(scope: Scope) -> int | None:
-    for key, value in scope.get("headers", []):
-        if key.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
 def _model_problem(scope: Scope, body: dict[str, Any]) -> tuple[int, str, str] | None:
     """A documents request must run on the base model: ``(status, message, type)`` if not."""
     name = body.get("model")
@@ -92,19 +63,6 @@ def _model_problem(scope: Scope, body: dict[str, Any]) -> tuple[int, str, str] |
     return 404, f"The model `{name}` does not exist.", "NotFoundError"
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # later: the client's disconnect, as vLLM expects to see it
-
-    return replay
-
-
 def _with_length(scope: Scope, length: int) -> Scope:
     headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
     return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
@@ -112,12 +70,7 @@ def _with_length(scope: Scope, length: int) -> Scope:
 
 async def _error(send: Send, status: int, message: str, param: str | None,
                  kind: str = "BadRequestError") -> None:
-    payload = json.dumps({"error": {"message": message, "type": kind, "param": param,
-                                    "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
+    await send_error(send, status, message, kind, param)
 
 
 def _rewrite(route: str, body: dict[str, Any], ids: list[int], key: str) -> dict[str, Any]:
@@ -212,17 +165,12 @@ class DocumentsMiddleware:
         if route is None or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        declared = _declared_length(scope)
         try:
-            if declared is not None and declared > self.limits.body_bytes:
-                raise BodyTooLarge
-            raw = await _read_body(receive, self.limits.body_bytes)
+            raw = await read_body(scope, receive, self.limits.body_bytes)
         except ConnectionError:
             return
         except BodyTooLarge:
-            await _error(send, 413, f"the request body is over this server's limit of "
-                                    f"{self.limits.body_bytes} bytes (minipic serve "
-                                    f"--max-body-mib)", None, "RequestTooLargeError")
+            await send_too_large(send, self.limits.body_bytes)
             return
         body = None
         # only a body naming one of the two fields can ask for documents: plain requests skip
@@ -233,7 +181,7 @@ class DocumentsMiddleware:
             except (ValueError, UnicodeDecodeError):
                 body = None  # not JSON: vLLM's own 400 for it
         if not wants_documents(route, body):
-            await self.app(scope, _replay(raw, receive), send)
+            await self.app(scope, replay(raw, receive), send)
             return
         side = getattr(scope["app"].state, STATE_ATTR, None) if "app" in scope else None
         if side is None:
@@ -258,7 +206,7 @@ class DocumentsMiddleware:
         if route == "chat":
             chat_render.LAYOUTS[key] = prepared.prompt.prompt_token_ids
         try:
-            await self.app(_with_length(scope, len(new_body)), _replay(new_body, receive),
+            await self.app(_with_length(scope, len(new_body)), replay(new_body, receive),
                            EvidenceSend(send, prepared.evidence))
         finally:
             chat_render.LAYOUTS.pop(key, None)

@@ -9,9 +9,14 @@ while the run goes on.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +147,147 @@ def test_small_real_run_has_every_field(tiny_orchestrator, tmp_path: Path, seed)
     assert saved["summary"]["n"] == 3
     assert (tmp_path / "out" / "eval.png").stat().st_size > 0
     assert "block_attention" in (tmp_path / "out" / "eval.md").read_text()
+
+
+def _random_items(rng: random.Random, n: int) -> list:
+    from minipic.eval.datasets import EvalItem
+
+    return [EvalItem(id=f"r{i}", question=f"{' '.join(rng.sample(VOCAB, 4))} {i}?",
+                     documents=[" ".join(rng.choice(VOCAB) for _ in range(rng.randint(5, 20)))
+                                for _ in range(rng.randint(1, 3))],
+                     answer=rng.choice(VOCAB)) for i in range(n)]
+
+
+def _write_jsonl(path: Path, items: list) -> Path:
+    path.write_text("".join(json.dumps({"id": i.id, "question": i.question,
+                                        "documents": i.documents, "answer": i.answer}) + "\n"
+                            for i in items))
+    return path
+
+
+@contextmanager
+def _fake_vllm(cards: object) -> Iterator[tuple[str, list[str]]]:
+    """A real HTTP server in a thread that answers ``GET /v1/models`` as vLLM's OpenAI server
+    does (``cards``: its ``data``) and 404s everything else: enough to check what eval reads
+    before it scores anything. Yields its URL and the paths it was asked for."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            asked.append(self.path)
+            if self.path != "/v1/models":
+                self.send_error(404)
+                return
+            body = json.dumps({"object": "list", "data": cards}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _card(root: object) -> dict:
+    """One ``/v1/models`` entry as vLLM writes it (``root``: the path it loaded)."""
+    card = {"id": "minipic", "object": "model", "created": 0, "owned_by": "vllm",
+            "parent": None, "max_model_len": 2048, "permission": []}
+    return card if root is None else {**card, "root": root}
+
+
+def _tuned_folder(path: Path, tuned: list) -> Path:
+    """A model folder as far as eval reads one: the manifest ``minipic tune`` writes."""
+    from minipic.tune.data import question_digest
+
+    path.mkdir()
+    (path / "minipic_tune.json").write_text(json.dumps(
+        {"data": {"train_question_digests": sorted(question_digest(i.question)
+                                                   for i in tuned)}}))
+    return path
+
+
+@pytest.mark.fast
+def test_a_served_tuned_model_is_not_scored_on_its_tuning_items(tmp_path: Path, capsys,
+                                                                seed) -> None:
+    """With ``--url`` the model folder is the one the server says it loaded: its tuning items
+    are dropped exactly as for the embedded engine; a served folder without a manifest (an
+    untuned model) drops nothing, and an unreadable manifest stops eval."""
+    from minipic.eval.cli import served_model_dir, untuned_items
+
+    rng = random.Random(seed)
+    items = _random_items(rng, rng.randint(6, 12))
+    tuned = rng.sample(items, rng.randint(1, len(items) - 1))
+    folder = _tuned_folder(tmp_path / "model", tuned)
+    args = argparse.Namespace(url=None, model=None, unchecked_model=False)
+    with _fake_vllm([_card(str(folder))]) as (url, asked):
+        assert served_model_dir(url) == folder
+        args.url = url + "/"
+        kept = untuned_items(args, items)
+    assert asked == ["/v1/models", "/v1/models"]
+    assert [i.id for i in kept] == [i.id for i in items if i not in tuned]
+    assert f"{len(tuned)} item(s) dropped: the model was tuned on them" in capsys.readouterr().out
+    # the embedded engine on the same folder: the same items, the same message
+    embedded = untuned_items(argparse.Namespace(url=None, model=str(folder)), items)
+    assert [i.id for i in embedded] == [i.id for i in kept]
+    assert f"{len(tuned)} item(s) dropped" in capsys.readouterr().out
+
+    untuned = tmp_path / "untuned"
+    untuned.mkdir()
+    with _fake_vllm([_card(str(untuned))]) as (url, _):
+        args.url = url
+        assert untuned_items(args, items) == items
+    assert "dropped" not in capsys.readouterr().out
+    (folder / "minipic_tune.json").write_text("{not json")
+    with _fake_vllm([_card(str(folder))]) as (url, _):
+        args.url = url
+        assert untuned_items(args, items) is None
+    assert "unreadable" in capsys.readouterr().out
+
+
+@pytest.mark.fast
+def test_eval_over_url_refuses_a_model_it_cannot_check(tmp_path: Path, capsys, seed) -> None:
+    """When the served model's folder cannot be read here (server unreachable, no ``root``, a
+    folder on another machine, a relative path, several models), ``minipic eval --url`` stops
+    with exit 2 before scoring anything, says why and names ``--unchecked-model``; with that
+    flag the items pass unchecked, after a warning."""
+    from minipic.cli import main
+    from minipic.eval.cli import untuned_items
+
+    rng = random.Random(seed)
+    items = _random_items(rng, rng.randint(3, 8))
+    data = _write_jsonl(tmp_path / "mine.jsonl", items)
+    out = tmp_path / "eval"
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    gone = str(tmp_path / f"gone-{rng.randrange(10**6)}")
+    cases = [(None, "cannot read"), ([_card(None)], "no 'root'"),
+             ([_card(gone)], f"{gone} is not on this machine"),
+             ([_card("runs/smol/model")], "relative path 'runs/smol/model'"),
+             ([_card(gone), {**_card(gone), "id": "lora"}], "not one model")]
+    for cards, reason in cases:
+        with _fake_vllm(cards if cards is not None else []) as (url, asked):
+            url = closed if cards is None else url
+            assert main(["eval", "--url", url, "--data", str(data), "--out", str(out)]) == 2
+            printed = capsys.readouterr().out
+            assert "cannot check which items the served model was tuned on" in printed, reason
+            assert reason in printed and "--unchecked-model" in printed, printed
+            assert asked == ([] if cards is None else ["/v1/models"])  # nothing scored
+            assert not out.exists()
+            args = argparse.Namespace(url=url, model=None, unchecked_model=True)
+            assert untuned_items(args, items) == items
+            printed = capsys.readouterr().out
+            assert "warning" in printed and reason in printed and "--unchecked-model" in printed

@@ -212,3 +212,194 @@ def test_tuned_model_loads_in_vllm_and_eval_skips_its_tuning_items(tmp_path: Pat
     assert scored["summary"]["modes"]["prefix"]["kl_mean"]["mean"] >= 0  # what tuning moved
     assert set(scored["summary"]["modes"]) == {"prefix", "selective@0.5"}
     assert tuned_row["question"] not in {r["question"] for r in scored["items"]}
+
+
+class _CountingBuilder:
+    """The real prompt builder, counting the layouts asked for per question: shows whether the
+    loop lays out an item again after it failed."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.tries: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def build(self, **kwargs):
+        self.tries[kwargs["question"]] = self.tries.get(kwargs["question"], 0) + 1
+        return self.inner.build(**kwargs)
+
+
+@pytest.mark.fast
+def test_items_too_long_to_lay_out_are_skipped_once_over_many_epochs_and_on_resume(
+        tmp_path: Path, seed) -> None:
+    """A set with a few items that can never fit ``max_model_len`` trains for more epochs than
+    it has items: each bad item is tried once, recorded once and passed over afterwards, the run
+    finishes, and a run resumed from a checkpoint (also one written before records named the
+    item's position) skips the same items without trying them again and ends with the same
+    losses. Counting failures instead of items ended such runs, and their resumes, mid-way."""
+    import shutil
+
+    from minipic.eval.datasets import EvalItem
+    from minipic.tune import trainer
+    from minipic.tune.cli import _builder
+    from span_contract.models import resolve_model
+
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    model_dir = resolve_model("tiny-llama")
+    good = [EvalItem(**r) for r in random_items(rng, 2)]
+    # one document far over the 2048-token context: no layout policy may shrink it to fit
+    bad = [EvalItem(id=f"long{i}", question=f"Which {rng.choice(VOCAB)} is long {i}?",
+                    documents=[" ".join(rng.choice(VOCAB) for _ in range(rng.randint(3000, 4000))),
+                               "short"]) for i in range(2)]
+    items = [*good, *bad]
+    rng.shuffle(items)
+    bad_ids = sorted(i.id for i in bad)
+    # 5 steps × 2 good items = 5 epochs over 4 items: 10 failures of 2 distinct items
+    settings = _settings(model_dir, 5, seed % 1000)
+    base_builder = _builder(model_dir, settings)
+
+    def run(folder: Path, resume: bool, crash_after: int | None = None):
+        builder = _CountingBuilder(base_builder)
+        state = trainer.train(trainer.load_student(model_dir, settings), builder, items,
+                              settings, folder, resume=resume, save_every=2,
+                              progress=_progress_crashing_after(crash_after))
+        return state, builder
+
+    whole, builder = run(tmp_path / "whole", False)
+    assert whole["step"] == 5 and len(whole["losses"]) == 5
+    assert sorted(r["id"] for r in whole["skipped"]) == bad_ids
+    assert [builder.tries[i.question] for i in bad] == [1, 1]
+    assert all(builder.tries[i.question] >= 2 * 5 for i in good)  # every epoch, both layouts
+
+    crashed = tmp_path / "crashed"
+    with pytest.raises(_Crash):
+        run(crashed, False, crash_after=2)  # dies in step 3, after step 2's checkpoint
+    # the same checkpoint as an older run wrote it: one record per failure, by id only
+    legacy = tmp_path / "legacy"
+    shutil.copytree(crashed, legacy)
+    saved = torch.load(legacy / "checkpoints" / "last.pt", weights_only=False)
+    assert sorted(r["id"] for r in saved["skipped"]) == bad_ids
+    saved["skipped"] = [{"id": r["id"], "error": r["error"]} for r in saved["skipped"]] * 3
+    torch.save(saved, legacy / "checkpoints" / "last.pt")
+    for folder in (crashed, legacy):
+        resumed, builder = run(folder, True)
+        assert resumed["losses"] == whole["losses"], folder.name
+        assert sorted(r["id"] for r in resumed["skipped"]) == bad_ids, folder.name
+        # both failed in epoch 0, before the checkpoint: not laid out again
+        assert not any(builder.tries.get(i.question) for i in bad), folder.name
+
+    # a set where every item fails is still an error, and says so at once
+    builder = _CountingBuilder(base_builder)
+    with pytest.raises(tune_data.BadInputError, match="no item could be laid out"):
+        trainer.train(trainer.load_student(model_dir, settings), builder, bad, settings,
+                      tmp_path / "hopeless", resume=False, save_every=2,
+                      progress=_progress_crashing_after(None))
+    assert [builder.tries[i.question] for i in bad] == [1, 1]
+
+
+def _bf16_tiny_llama() -> str:
+    """The tiny Llama saved in bfloat16, as SmolLM2 is: tuning in float32 then rounds the
+    merged weights when they are saved (the float32 tiny-llama would not exercise the cast)."""
+    from span_contract.models import tiny_llama_dir
+
+    return str(tiny_llama_dir(dtype="bfloat16"))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_the_report_scores_the_weights_saved_not_the_float32_ones(tmp_path: Path, seed,
+                                                                   method: str) -> None:
+    """Tuning a bfloat16 model in float32: what the report scores holds, bit for bit, the
+    tensors written to the model folder (read back; float32 holds every bfloat16 exactly), the
+    float32 weights before the cast are kept apart as the extra row, and the base it scores
+    against is the untouched model (a merged LoRA's "adapter off" would be the tuned weights:
+    refused)."""
+    from safetensors.torch import load_file
+
+    from minipic.eval.datasets import EvalItem
+    from minipic.tune import report, trainer
+    from minipic.tune.cli import _builder, _save_merged
+
+    torch.set_num_threads(1)
+    model_dir = _bf16_tiny_llama()
+    items = [EvalItem(**r) for r in random_items(random.Random(seed), 4)]
+    extra = {"method": "full", "lr": 1e-4} if method == "full" else {}
+    settings = _settings(model_dir, 2, seed % 1000, **extra)
+    builder = _builder(model_dir, settings)
+    student = trainer.load_student(model_dir, settings)
+    trainer.train(student, builder, items, settings, tmp_path / "run", resume=False,
+                  save_every=2, progress=_progress_crashing_after(None))
+    folder = tmp_path / "model"
+    saved_dtype, saved = _save_merged(student, model_dir, folder, settings, "cpu")
+    if method == "lora":
+        with pytest.raises(RuntimeError, match="merged"), student.base():
+            pass
+    files = sorted(folder.glob("*.safetensors"))
+    on_disk = {k: v for f in files for k, v in load_file(f).items()}
+    assert saved_dtype == "bfloat16" and on_disk
+    assert {v.dtype for v in on_disk.values()} == {torch.bfloat16}
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    assert isinstance(saved, report.SavedModel)
+    assert saved.describe()["weights_dtype"] == "bfloat16"
+    scored = saved.model.state_dict()
+    assert scored.keys() == on_disk.keys()
+    for name, tensor in on_disk.items():
+        assert scored[name].dtype == torch.float32, name  # computed in the tuning dtype
+        assert torch.equal(scored[name].to(torch.bfloat16), tensor), name
+        assert torch.equal(tensor.float(), scored[name]), name
+    unrounded = saved.unrounded.state_dict()
+    assert all(torch.equal(unrounded[k].to(torch.bfloat16), v) for k, v in on_disk.items())
+    # the cast did round something: the extra row measures a real difference
+    assert any(not torch.equal(unrounded[k], v.float()) for k, v in on_disk.items())
+    pristine = {k: v for f in sorted(Path(model_dir).glob("*.safetensors"))
+                for k, v in load_file(f).items()}
+    with saved.base() as base:
+        base_weights = base.state_dict()
+    assert all(torch.equal(base_weights[k], v.float()) for k, v in pristine.items())
+    assert any(not torch.equal(on_disk[k], v) for k, v in pristine.items())  # it learned
+    record = report.score_item(saved, builder, items[0], settings.max_tokens)
+    assert set(record) >= {"base_block", "tuned_block", "tuned_full", "unrounded_block"}
+
+
+@pytest.mark.fast
+def test_tune_cli_reports_the_saved_dtype_and_its_rows_are_the_saved_models(
+        tmp_path: Path, seed) -> None:
+    """Through ``minipic tune``: the report says which weights it scored (the saved bfloat16
+    ones, computed in float32) and what the rounding cost, and its tuned row for a held-out item
+    is exactly what scoring the published folder against the base gives."""
+    from minipic.eval.datasets import EvalItem
+    from minipic.tune import report, trainer
+    from minipic.tune.cli import _builder
+
+    rng = random.Random(seed)
+    rows = random_items(rng, 16)
+    while not any(tune_data.is_heldout(r["question"]) for r in rows):
+        rows += random_items(rng, 4)
+    data = write_jsonl(tmp_path / "mine.jsonl", rows)
+    model_dir = _bf16_tiny_llama()
+    run = tmp_path / "run"
+    assert main(["tune", "--model", model_dir, "--data", str(data), "--out", str(run),
+                 "--steps", "2", "--batch", "2", "--max-tokens", "3", "--threads", "1",
+                 "--dtype", "float32", "--report-n", "3", "--seed", str(seed % 1000)]) == 0
+    assert not (run / "model.tmp").exists() and (run / "model" / "minipic_tune.json").is_file()
+    tuned = json.loads((run / "tune.json").read_text())
+    meta, summary = tuned["meta"], tuned["summary"]
+    assert meta["dtype"] == "float32" and meta["saved_dtype"] == "bfloat16"
+    assert meta["scored"] == {"weights": "as saved", "weights_dtype": "bfloat16",
+                              "compute_dtype": "float32", "unrounded_scored": True}
+    assert {"unrounded_block", "saved_minus_unrounded_block_kl"} <= set(summary)
+    text = (run / "tune.md").read_text()
+    assert "score the saved model: its bfloat16 weights" in text and "saved − unrounded" in text
+    first = tuned["items"][0]
+    item = next(EvalItem(**r) for r in rows if r["id"] == first["id"])
+    settings = trainer.TuneSettings(model=model_dir, steps=2, max_tokens=3)
+    again = report.score_item(
+        report.SavedModel(trainer.load_plain(run / "model", "float32").eval(),
+                          trainer.load_plain(model_dir, "float32").eval(), "bfloat16", "float32"),
+        _builder(model_dir, settings), item, 3)
+    for row in ("base_block", "tuned_block", "tuned_full"):
+        assert again[row] == first[row], row
+    # and the float32 weights score otherwise: the equality above tells the two apart
+    assert first["unrounded_block"]["kl"] != first["tuned_block"]["kl"]

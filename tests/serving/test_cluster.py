@@ -7,12 +7,16 @@ replicas of the tiny model), over HTTP.
   requests sent to it directly;
 * the unchanged SDK and the official ``openai`` client work against the one URL, and so do the
   documents bodies any OpenAI client sends (routed by their laid-out span blocks);
+* a body over ``--max-body-mib`` gets the servers' 413 from the ingress itself, declared or
+  chunked, and reaches no replica; with no shared span store the router routes for a store per
+  replica;
 * a replica killed mid-batch: every question ends as an answer or a clear error, the router
   forgets the replica, and nothing of it is left running (last: it costs a replica).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -212,6 +216,94 @@ def test_documents_bodies_through_the_cluster(cluster, seed) -> None:
     bad = httpx.post(cluster.base_url + "/v1/chat/completions",
                      json={**chat_body, "documents": [{"text": 1}]}, timeout=120)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents[0].text"
+
+
+def _raw_post(base_url: str, head: bytes, body: Iterator[bytes]) -> tuple[int, bytes]:
+    """One HTTP request on a raw socket, the body sent while the answer is read: a server that
+    answers a body it refuses before reading it may close on the rest (a client sending and
+    only then reading would see the reset, not the answer)."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    url = urlparse(base_url)
+    reply = bytearray()
+    with socket.create_connection((url.hostname, url.port), timeout=120) as sock:
+        def read() -> None:
+            try:
+                while chunk := sock.recv(65536):
+                    reply.extend(chunk)
+                    head_end = reply.find(b"\r\n\r\n")
+                    if head_end >= 0:
+                        lines = bytes(reply[:head_end]).decode().lower().split("\r\n")
+                        length = next(int(line.split(":", 1)[1]) for line in lines
+                                      if line.startswith("content-length:"))
+                        if len(reply) >= head_end + 4 + length:
+                            return
+            except OSError:
+                return
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            sock.sendall(head)
+            for chunk in body:
+                if not reader.is_alive():
+                    break  # answered: the rest is not wanted
+                sock.sendall(chunk)
+        except OSError:
+            pass  # the server closed on the unread rest
+        reader.join(120)
+    head_bytes, _, payload = bytes(reply).partition(b"\r\n\r\n")
+    assert head_bytes.startswith(b"HTTP/1.1 "), bytes(reply[:300])
+    return int(head_bytes.split()[1]), payload
+
+
+def test_an_oversized_body_is_refused_at_the_ingress(cluster, seed) -> None:
+    """``--max-body-mib`` (32 MiB by default) at the cluster's URL: a declared 64 MiB body and a
+    chunked one passing 32 MiB get the servers' 413 from the ingress, which neither hashes nor
+    routes them (its request count and the router's decisions stay as they were)."""
+    rng = random.Random(seed)
+    limit = 32 << 20
+    before = state(cluster)
+    declared = limit + rng.randint(1, limit)
+    status, payload = _raw_post(
+        cluster.base_url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % declared,
+        iter([b"{"]))
+    assert status == 413, payload[:300]
+    error = json.loads(payload)["error"]
+    assert error["type"] == "RequestTooLargeError" and str(limit) in error["message"]
+
+    def chunked() -> Iterator[bytes]:
+        sent = 0
+        while sent <= limit + (8 << 20):
+            data = rng.randbytes(rng.randint(1 << 18, 1 << 20))
+            sent += len(data)
+            yield b"%x\r\n%s\r\n" % (len(data), data)
+        yield b"0\r\n\r\n"
+
+    status, payload = _raw_post(
+        cluster.base_url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n", chunked())
+    assert status == 413, payload[:300]
+    assert json.loads(payload)["error"] == error  # one answer, however the body came
+    after = state(cluster)
+    assert after["requests"] == before["requests"]
+    assert sum(after["decisions"].values()) == sum(before["decisions"].values())
+    plain = httpx.post(cluster.base_url + "/v1/completions", timeout=120, json={
+        "model": "minipic", "prompt": words(rng, 5), "max_tokens": 1})
+    assert plain.status_code == 200, plain.text  # and the cluster keeps serving
+    assert state(cluster)["requests"] == before["requests"] + 1
+
+
+def test_without_a_shared_store_the_router_routes_for_one_per_replica(cluster) -> None:
+    """This cluster runs without a span store: no replica reports a store identity, so the
+    router keeps the per-replica routing (max_imbalance 4), and says why."""
+    replicas(cluster)  # both have reported their routing stats
+    current = state(cluster)
+    assert current["store"]["kind"] == "none" and not current["store"]["shared"]
+    assert current["max_imbalance"] == 4
 
 
 def _alive(pid: int) -> bool:

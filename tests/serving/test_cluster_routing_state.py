@@ -244,35 +244,184 @@ def test_policy_holder_then_hot_spot_then_group(router, seed: int) -> None:
     assert not r._matchable(replicas[0])
 
 
-def test_shared_store_makes_affinity_a_tie_break(router, seed: int, tmp_path) -> None:
-    """With a shared span store the default router only prefers a holder within one request
-    of the least loaded replica; without one, a holder may carry 4 more."""
-    from serving.cluster_app import (
+def _span_router(max_imbalance: int | None) -> Any:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from serving.span_router import SpanAffinityRouter
+
+    r = SpanAffinityRouter(deployment_id=DeploymentID(name="engine", app_name="store-test"),
+                           handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(hash_fingerprint="fp", max_imbalance=max_imbalance)
+    return r
+
+
+def test_store_identity_is_one_per_directory_not_per_path(tmp_path) -> None:
+    """Replicas pointed at one folder (on one node, or through a shared mount) read one identity
+    however many create it at once; a folder each (the default store on each node's own disk)
+    gives one each, even a copy of a store with its id file (rsync to another node)."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine_ext.span_store.tiers.directory import DirTier
+    from serving.store_identity import ID_NAME, ReplicaStore, store_identity
+
+    shared = tmp_path / "mount" / "span-store"  # not there yet: the first replica makes it
+    with ThreadPoolExecutor(8) as pool:
+        seen = list(pool.map(lambda _: store_identity(shared), range(8)))
+    assert seen[0] and set(seen) == {seen[0]}
+    assert [p.name for p in shared.iterdir()] == [ID_NAME]  # no temp file left behind
+    # the real store tier on that folder keeps working, and keeps the id (its scans skip it)
+    tier = DirTier(shared, 1 << 20, "fp")
+    assert tier.usable and store_identity(shared) == seen[0]
+    node_a, node_b = tmp_path / "a" / "span-store", tmp_path / "b" / "span-store"
+    assert store_identity(node_a) != store_identity(node_b)
+    copy = tmp_path / "copy"
+    shutil.copytree(shared, copy)
+    assert (copy / ID_NAME).read_bytes() == (shared / ID_NAME).read_bytes()
+    assert store_identity(copy) not in (None, seen[0])
+    # a store folder deleted under running replicas and recreated is another store
+    replica = ReplicaStore(shared)
+    assert replica.identity() == seen[0]
+    shutil.rmtree(shared)
+    again = store_identity(shared)
+    assert again and again != seen[0] and replica.identity() == again
+
+
+def test_router_routes_for_a_shared_store_only_when_every_replica_reports_it(
+        router, seed: int, tmp_path) -> None:
+    """The store is treated as shared (affinity only a tie-break: max_imbalance 1) only when
+    every replica reports the same store identity: replicas whose stores are folders of the
+    same path on their own nodes keep the per-replica routing (4), and the decision is logged."""
+    import logging
+
+    from serving.request_blocks import RoutedRequest
+    from serving.store_identity import (
         MAX_IMBALANCE,
         MAX_IMBALANCE_SHARED_STORE,
-        default_max_imbalance,
+        STAT_KEY,
+        ReplicaStore,
     )
-    from serving.request_blocks import RoutedRequest
-    from span_contract.engine_config import EngineSettings
-    from span_contract.span_store_config import SpanStoreConfig
 
-    alone = EngineSettings(model="tiny-llama")
-    local = EngineSettings(model="tiny-llama", span_store=SpanStoreConfig(dir=str(tmp_path)))
-    shared = EngineSettings(model="tiny-llama",
-                            span_store=SpanStoreConfig(shared_dir=str(tmp_path)))
-    assert default_max_imbalance(alone) == default_max_imbalance(local) == MAX_IMBALANCE == 4
-    assert default_max_imbalance(shared) == MAX_IMBALANCE_SHARED_STORE == 1
+    fixed, replicas = router  # its max_imbalance was set by the deployment: never changed
+    r = _span_router(None)
+    records: list[logging.LogRecord] = []
+    keep = logging.Handler(logging.INFO)
+    keep.emit = records.append  # the router's log lines, as Serve's handlers would get them
+    log = logging.getLogger("ray.serve.minipic")
+    level = log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        one = tmp_path / "one"
+        for replica in replicas:  # each replica reads the identity itself
+            replica.routing_stats[STAT_KEY] = ReplicaStore(one).identity()
+        r._sync_store(replicas)
+        fixed._sync_store(replicas)
+        assert r.store.shared and r.max_imbalance == MAX_IMBALANCE_SHARED_STORE == 1
+        assert fixed.max_imbalance == 2 and fixed.state()["store"]["shared"]
+        span = _hashes(random.Random(seed), 4)
+        r.index.stored("r1", span)
+        ask = RoutedRequest(route="completions", body={}, block_hashes=span)
+        r.in_flight.update({"r0": 1, "r1": 2, "r2": 1})
+        assert _first(r._rank(replicas, ask)) == "r1"  # one above the least loaded: held
+        r.in_flight["r1"] = 3
+        assert _first(r._rank(replicas, ask)) in {"r0", "r2"}  # two above: load decides
+        # the same path on another node: r2's folder is its own
+        replicas[2].routing_stats[STAT_KEY] = ReplicaStore(tmp_path / "node2").identity()
+        r._sync_store(replicas)
+        assert not r.store.shared and r.store.kind == "several"
+        assert r.max_imbalance == MAX_IMBALANCE == 4 and not r.state()["store"]["shared"]
+        assert _first(r._rank(replicas, ask)) == "r1"  # two above: the holder still gets it
+        warned = [rec for rec in records if rec.levelno == logging.WARNING]
+        assert len(warned) == 1 and "2 different span stores" in warned[0].getMessage()
+        # a replica reporting none (no shared tier, not reported yet): per-replica routing
+        del replicas[2].routing_stats[STAT_KEY]
+        r._sync_store(replicas)
+        assert (r.store.kind, r.max_imbalance) == ("partial", MAX_IMBALANCE)
+        decisions = [rec.getMessage() for rec in records]
+        assert sum("one shared store" in m for m in decisions) == 2  # r and fixed, once each
+        assert len(decisions) == 4  # each change said once
+        r._sync_store(replicas)
+        assert len(records) == 4
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+        r.events.close()
 
-    r, replicas = router
-    r.max_imbalance = default_max_imbalance(shared)
-    span = _hashes(random.Random(seed), 4)
-    r.index.stored("r1", span)
-    ask = RoutedRequest(route="completions", body={}, block_hashes=span)
-    r.in_flight.update({"r0": 1, "r1": 2, "r2": 1})
-    assert _first(r._rank(replicas, ask)) == "r1"  # one above the least loaded: still held
-    r.in_flight["r1"] = 3
-    assert _first(r._rank(replicas, ask)) in {"r0", "r2"}  # two above: load decides
-    assert r.decisions["load:holders-busy"] == 1
+
+# -- the ingress's body limit, on the real ingress app (no Ray cluster, no replica) -----------
+
+
+async def _post(app: Any, path: str, content: Any, headers: dict[str, str]) -> Any:
+    import httpx
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+        return await client.post(path, content=content, headers=headers)
+
+
+def _recorded(rng: random.Random, sizes: list[int], pulled: list[int]) -> Any:
+    """A request body sent as the server asks for it, recording each chunk handed over."""
+    async def body():
+        for size in sizes:
+            pulled.append(size)
+            yield rng.randbytes(size)
+
+    return body()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions",
+                                  "/minipic/cluster/held"])
+async def test_ingress_refuses_an_oversized_body_before_reading_it(
+        path: str, monkeypatch, seed: int) -> None:
+    """The cluster's URL applies ``--max-body-mib`` as a server does, before it holds, parses or
+    hashes a body: a declared length over the limit is refused without reading a byte, a
+    chunked body as soon as it passes the limit; the answer is the replicas' own 413. The
+    ingress's routes (where replicas are called) are reached only by bodies within the limit:
+    outside a Serve replica they fail on the missing replica context, which the refused
+    requests never meet."""
+    from fastapi import FastAPI
+    from ray.serve.exceptions import RayServeException
+
+    from serving.documents.bodies import Limits
+    from serving.documents.middleware import DocumentsMiddleware
+    from serving.ingress import app
+    from span_contract.env import MAX_BODY_MIB_ENV
+
+    rng = random.Random(seed)
+    monkeypatch.setenv(MAX_BODY_MIB_ENV, f"{rng.uniform(0.002, 0.05):.6f}")
+    limit = Limits.from_env().body_bytes
+    json_headers = {"content-type": "application/json"}
+
+    pulled: list[int] = []
+    declared = limit + rng.randint(1, 1 << 20)
+    sizes = [declared // 4] * 3 + [declared - 3 * (declared // 4)]
+    refused = await _post(app, path, _recorded(rng, sizes, pulled),
+                          {**json_headers, "content-length": str(declared)})
+    assert refused.status_code == 413 and pulled == []  # not a byte read
+
+    chunks = [rng.randint(100, max(101, limit // 7)) for _ in range(64)]
+    assert sum(chunks) > limit
+    chunked = await _post(app, path, _recorded(rng, chunks, pulled), json_headers)
+    assert chunked.status_code == 413
+    assert "content-length" not in chunked.request.headers  # chunked: length unknown
+    assert sum(pulled[:-1]) <= limit < sum(pulled) < sum(chunks)  # stopped at the limit
+
+    # the same answer a replica's server gives (its documents middleware, real)
+    replica = DocumentsMiddleware(FastAPI(), Limits.from_env())
+    theirs = await _post(replica, "/v1/chat/completions", b"x" * (limit + 1), json_headers)
+    assert theirs.status_code == 413
+    assert refused.json() == chunked.json() == theirs.json()
+    assert refused.json()["error"]["type"] == "RequestTooLargeError"
+    assert str(limit) in refused.json()["error"]["message"]
+
+    # exactly at the limit (either way of sending it): past the bound, into the routes
+    body = b'{"prompt": "' + b"a" * (limit - 14) + b'"}'
+    assert len(body) == limit
+    with pytest.raises(RayServeException, match="replica"):
+        await _post(app, path, body, json_headers)
+    with pytest.raises(RayServeException, match="replica"):
+        await _post(app, path, _recorded(rng, [limit], []), json_headers)
 
 
 @pytest.mark.parametrize("argv, message", [

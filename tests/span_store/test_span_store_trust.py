@@ -307,6 +307,13 @@ def test_two_replicas_across_a_key_deletion_delete_no_valid_entry(tmp_path, rng,
     assert first.put(k1, e1) and second.put(k2, e2)
     assert second.get(k1) == e1 and first.get(k2) == e2
     assert len(list(first.keys())) == len(old) + len(new) + 2
+    # a block recomputed after the rotation replaces its unreadable old entry (keys do not
+    # name the secret): the next read hits, and nothing else was touched
+    again, fresh = next(iter(old)), entry_for(rng)
+    assert second.put(again, fresh) and first.get(again) == fresh
+    assert second.stats()["old_secret_replaced"] == 1
+    assert first.put(again, entry_for(rng)) and first.get(again) == fresh  # now ours: kept
+    assert len(list(first.keys())) == len(old) + len(new) + 2
 
 
 def test_a_replaced_secret_is_adopted_by_the_periodic_check(tmp_path, rng, monkeypatch):

@@ -51,10 +51,12 @@ random one, and every process sharing the folder adopts whatever secret the file
 re-checks the file at most once a second on reads and writes, and at once when it meets an
 entry under a key id it does not know. Adopting a new secret is logged and counted
 (``key_changes``; ``minipic:span_store_key_changes`` on ``/metrics``). Entries under the old
-secret become misses left in place (``other_key``) that age out by LRU: a rotation costs
-recomputation, never another replica's valid entries. Replacing the file by another 32-byte
-secret (mode and owner as the tier's) has the same outcome. A rotation is how to revoke whoever
-learned the old secret (``docs/span_store.md``).
+secret become misses left in place (``other_key``): a rotation costs recomputation, never
+another replica's valid entries. The first ``put`` of a block whose name holds an entry under
+the old secret replaces it (the one overwrite ``put`` does): keys do not name the secret, so
+the old entry would otherwise keep that block a miss until LRU evicted it. Replacing the file
+by another 32-byte secret (mode and owner as the tier's) has the same outcome. A rotation is how to
+revoke whoever learned the old secret (``docs/span_store.md``).
 
 **Faults never reach the caller.** A full or read-only disk (``ENOSPC``, ``EROFS``, ``EACCES``,
 ``EPERM``, ``EDQUOT``) pauses the tier's writes with a warning, for 1 s, then 2 s, 4 s ... up to
@@ -97,6 +99,7 @@ from engine_ext.span_store.tiers.files import (
     Modes,
     NotAnEntry,
     check_root,
+    key_id,
     load_secret,
     make_dir,
     open_entry,
@@ -105,11 +108,14 @@ from engine_ext.span_store.tiers.files import (
     secret_stamp,
 )
 from engine_ext.span_store.tiers.format import (
+    FORMAT_VERSION,
+    HEADER,
     SUFFIX,
     TEMP_PREFIX,
     encode_entry,
     read_entry,
     read_fingerprint,
+    unpack_header,
 )
 
 # Write errors that mean "this disk takes no more writes": writes go off, reads continue.
@@ -221,7 +227,7 @@ class DirTier:
             ("hits", "misses", "corrupt_removed", "foreign_skipped", "read_errors", "writes",
              "already_present", "write_errors", "skipped_writes_off", "too_large", "evictions",
              "temps_removed", "write_pauses", "writes_resumed", "other_key_skipped",
-             "key_changes"), 0)
+             "key_changes", "old_secret_replaced"), 0)
         self._last_scan = 0.0
         self._secret: bytes | None = None
         self._secret_stamp: tuple[int, int, int, int] | None = None
@@ -318,8 +324,9 @@ class DirTier:
 
     def put(self, key: str, entry: Entry) -> bool:
         """Write the entry atomically; True if it is on disk afterwards (written now or already
-        there — an existing entry is never overwritten), False when writes are off, the entry is
-        larger than the capacity, or the write failed."""
+        there — an existing entry is never overwritten, except one MAC-ed under a secret the
+        store no longer has), False when writes are off, the entry is larger than the capacity,
+        or the write failed."""
         path = self.entry_path(key)
         self._check_secret()
         if not self.writes_enabled:
@@ -329,9 +336,15 @@ class DirTier:
             st = os.lstat(path)
         except OSError:
             st = None
+        replace = False
         if st is not None:
-            self._note_present(key, st)
-            return True
+            if not self._under_old_secret(path):
+                self._note_present(key, st)
+                return True
+            # keys do not name the secret, so after a rotation this name holds an entry no
+            # process can read any more (all adopt the file's secret within a second): ours
+            # replaces it, or the block would stay a miss until LRU evicted the old one
+            replace = True
         parts = self._encode(key, entry)
         size = sum(len(p) for p in parts)
         if size > self.capacity_bytes:
@@ -345,7 +358,7 @@ class DirTier:
         mtime: int | None = None
         exists = False
         try:
-            mtime = self._write_file(key, path, parts, entry)
+            mtime = self._write_file(key, path, parts, entry, replace)
             exists = mtime is None
         except _DirectoryVanished as exc:
             self._pause_writes(exc, "the store directory vanished and cannot be recreated")
@@ -453,7 +466,8 @@ class DirTier:
         assert self._secret is not None
         return encode_entry(key, entry, self._fp, self._secret)
 
-    def _write_file(self, key: str, path: Path, parts: list[bytes], entry: Entry) -> int | None:
+    def _write_file(self, key: str, path: Path, parts: list[bytes], entry: Entry,
+                    replace: bool = False) -> int | None:
         """Write ``parts`` (``entry`` encoded) to a temp file, fsync, publish under ``path``.
         The mtime written, or None if another writer published ``key`` first (our copy is
         discarded)."""
@@ -479,7 +493,12 @@ class DirTier:
             os.utime(fd, ns=(now, now))
             if self.fsync:
                 os.fsync(fd)
-            published = _publish(tmp, path)
+            if replace:
+                os.replace(tmp, path)  # atomic: readers see the old entry or ours
+                self._count("old_secret_replaced")
+                published = True
+            else:
+                published = _publish(tmp, path)
         finally:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -514,6 +533,23 @@ class DirTier:
             with self._lock:
                 self._index.clear()
                 self._bytes = 0
+
+    def _under_old_secret(self, path: Path) -> bool:
+        """Whether the entry file at ``path`` names another key id than our secret's (read from
+        its header, not verified: a forged header gains nothing, ours replaces it)."""
+        try:
+            fd, _st = open_entry(path.parent, path.name, self.capacity_bytes)
+        except OSError:
+            return False
+        try:
+            head = read_exactly(fd, HEADER.size)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        header = unpack_header(head)
+        return (self._secret is not None and not isinstance(header, str)
+                and header.version == FORMAT_VERSION and header.key_id != key_id(self._secret))
 
     def _check_secret(self, force: bool = False) -> bool:
         """Adopt the secret the file holds now if it changed since we read it (at most once per
