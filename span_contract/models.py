@@ -211,13 +211,16 @@ def default_model_dir(fetch: bool = True, force: bool = False) -> Path:
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
     """A model argument as given by users: None = the embedded default; ``tiny-llama`` and
-    ``tiny-qwen3-next`` = the seeded test models; a folder is used as is."""
+    ``tiny-qwen3-next`` = the seeded test models; a folder becomes its absolute path (what the
+    server reports as the model's ``root``, which ``minipic eval --url`` reads from another
+    working directory); anything else (a hub id) is used as is."""
     aliases = {"tiny-llama": tiny_llama_dir, "tiny-qwen3-next": tiny_qwen3_next_dir}
     if model is None or str(model) in ("default", DEFAULT_MODEL_NAME):
         return str(default_model_dir())
     if str(model) in aliases:
         return str(aliases[str(model)]())
-    return str(model)
+    folder = Path(model).expanduser()
+    return str(folder.resolve()) if folder.is_dir() else str(model)
 
 
 # ---------------------------------------------------------------------------------------------
