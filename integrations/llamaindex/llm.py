@@ -12,6 +12,12 @@ and instrumentation events (``LLMCompletionStartEvent`` / ``EndEvent``) carry th
 ``CompletionResponse``, whose ``raw["usage"]`` has the OpenAI-style counts
 (``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``) and whose
 ``additional_kwargs["minipic"]`` has the cache evidence (span statuses, expected cached tokens).
+
+Both ways LlamaIndex documents for callbacks count: ``Settings.callback_manager``, and a
+``callback_manager`` given to the LLM itself. LlamaIndex's glue replaces an LLM's manager with the
+index's or the global one (``resolve_llm`` in ``index.as_query_engine(llm=...)``, a synthesizer's
+``callback_manager`` setter), which would silently drop the handlers a user gave the LLM; so the
+handlers given at construction are kept on whatever manager is assigned later.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from llama_index.core.callbacks import CallbackManager
 from llama_index.core.llms import (
     CompletionResponse,
     CompletionResponseAsyncGen,
@@ -27,7 +34,7 @@ from llama_index.core.llms import (
     LLMMetadata,
 )
 from llama_index.core.llms.callbacks import llm_completion_callback
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from orchestrator.client import Orchestrator
 from orchestrator.loop_bridge import (
@@ -60,6 +67,15 @@ def evidence(answer: Answer) -> dict[str, Any]:
             "skipped_documents": [s.model_dump(mode="json") for s in answer.skipped_spans]}
 
 
+def with_handlers(manager: CallbackManager, handlers: Sequence[Any]) -> CallbackManager:
+    """``manager``, or a copy of it that also has ``handlers`` (never the shared global one
+    changed in place: other components use it)."""
+    missing = [h for h in handlers if not any(h is have for have in manager.handlers)]
+    if not missing:
+        return manager
+    return CallbackManager([*manager.handlers, *missing])
+
+
 def response_of(answer: Answer, delta: str | None = None) -> CompletionResponse:
     return CompletionResponse(text=answer.text, delta=delta, raw={"usage": usage(answer)},
                               additional_kwargs={"minipic": evidence(answer)})
@@ -79,6 +95,19 @@ class MinipicLLM(CustomLLM):
     system: str | None = None
     mode: str = "block_attention"
     answer_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # the handlers the caller gave this LLM, kept on any manager assigned later (module docstring)
+    _own_handlers: list[Any] = PrivateAttr(default_factory=list)
+
+    def model_post_init(self, context: Any) -> None:
+        super().model_post_init(context)
+        manager = self.__dict__.get("callback_manager")
+        if isinstance(manager, CallbackManager):
+            self._own_handlers = list(manager.handlers)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "callback_manager" and isinstance(value, CallbackManager):
+            value = with_handlers(value, getattr(self, "_own_handlers", []))
+        super().__setattr__(name, value)
 
     @field_validator("orchestrator")
     @classmethod
