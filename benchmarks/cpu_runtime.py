@@ -73,8 +73,8 @@ def _start(pic: bool, preload: bool, max_model_len: int) -> dict[str, Any]:
     out of the next "on" engine (only one OpenMP runtime may be preloaded)."""
     import psutil
 
-    from span_contract.cpu_runtime import PRELOAD_ENV
-    from span_contract.engine_config import EngineSettings, build_llm, patched_environ
+    from minipic.span_contract.cpu_runtime import PRELOAD_ENV
+    from minipic.span_contract.engine_config import EngineSettings, build_llm, patched_environ
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     # LD_PRELOAD listed so that whatever vLLM adds to it during start-up is undone after
@@ -96,7 +96,7 @@ def _summary(on: list[float], off: list[float]) -> dict[str, Any]:
 def _round(round_idx: int, reps: int, seed: int, max_model_len: int) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from span_contract.engine_config import close_llm
+    from minipic.span_contract.engine_config import close_llm
 
     specs = list(ENGINES) if round_idx % 2 == 0 else list(reversed(ENGINES))
     engines: dict[str, dict[str, Any]] = {}
@@ -156,7 +156,7 @@ def main() -> None:
     args, seed = _harness_args(
         parser, rounds=1, rounds_help="rounds of four engines (odd rounds reverse the start order)",
         out="results/cpu_runtime.json")
-    from span_contract.cpu_runtime import preload_env
+    from minipic.span_contract.cpu_runtime import preload_env
 
     report: dict[str, Any] = {
         **_report_header(args, seed),

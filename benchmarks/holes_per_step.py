@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from span_contract.env import HOLES_PER_STEP_ENV
+from minipic.span_contract.env import HOLES_PER_STEP_ENV
 
 RUNS = {"all holes / step": ("all", "."), "one hole / step": ("one", "one_hole_per_step")}
 

@@ -70,8 +70,8 @@ def run_trace(llm: Any, doc: list[int], trace: list[tuple[int, list[int]]],
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from engine_ext.recurrent.checkpoints import checkpoint_stats
-    from engine_ext.recurrent.policy import OVERRIDE_KEY
+    from minipic.engine_ext.recurrent.checkpoints import checkpoint_stats
+    from minipic.engine_ext.recurrent.policy import OVERRIDE_KEY
 
     params = SamplingParams(max_tokens=1, temperature=0.0,
                             extra_args=None if xargs is None else {OVERRIDE_KEY: xargs})
@@ -113,7 +113,7 @@ def run_trace(llm: Any, doc: list[int], trace: list[tuple[int, list[int]]],
 
 def planner_sweep(dists: dict[str, np.ndarray], g: int) -> dict[str, Any]:
     """Expected recompute per request in the document vs budget (planner only, no engine)."""
-    from checkpoint_planner import expected_recompute, plan_checkpoints
+    from minipic.checkpoint_planner import expected_recompute, plan_checkpoints
 
     out: dict[str, Any] = {}
     for name, p in dists.items():
@@ -191,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from checkpoint_planner import expected_recompute, plan_checkpoints
-    from engine_ext.recurrent.checkpoints import checkpoint_stats, configure_checkpoints
-    from engine_ext.recurrent.policy import CheckpointConfig
-    from span_contract.engine_config import EngineSettings, build_llm, close_llm
+    from minipic.checkpoint_planner import expected_recompute, plan_checkpoints
+    from minipic.engine_ext.recurrent.checkpoints import checkpoint_stats, configure_checkpoints
+    from minipic.engine_ext.recurrent.policy import CheckpointConfig
+    from minipic.span_contract.engine_config import EngineSettings, build_llm, close_llm
 
     t_start = time.perf_counter()
     settings = EngineSettings(

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import paged_attention_rope_ref, rotate  # noqa: E402
+from minipic.kernels import paged_attention_rope_ref, rotate  # noqa: E402
 
 MODELS: dict[str, tuple[int, int, int]] = {
     # name: (num_heads, num_kv_heads, head_size)
@@ -207,7 +207,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_case(
     model_name: str, scenario: Scenario, args: argparse.Namespace, gen: torch.Generator
 ) -> dict[str, Any]:
-    from kernels.triton_paged_attention import paged_attention_rope_triton
+    from minipic.kernels.triton_paged_attention import paged_attention_rope_triton
 
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)

@@ -62,9 +62,9 @@ def measure(dtype: torch.dtype, blocks: int, reps: int) -> dict[str, float]:
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
     from vllm import _custom_ops as ops
 
-    from engine_ext.attention.cpu_backend import _rotate, move_keys
-    from engine_ext.attention.cpu_kv_layout import probe
-    from engine_ext.attention.step_plan import RotatedFill
+    from minipic.engine_ext.attention.cpu_backend import _rotate, move_keys
+    from minipic.engine_ext.attention.cpu_kv_layout import probe
+    from minipic.engine_ext.attention.step_plan import RotatedFill
 
     isa = cpu_attn._get_attn_isa(dtype, BLOCK, HEAD)
     rope = _rope(dtype)
@@ -142,7 +142,7 @@ def measure(dtype: torch.dtype, blocks: int, reps: int) -> dict[str, float]:
 
 def engine_blocks() -> dict[str, Any]:
     """KV blocks and bytes per token of a stock and a minipic engine at the same KV budget."""
-    from orchestrator import SyncOrchestrator
+    from minipic.orchestrator import SyncOrchestrator
 
     out: dict[str, Any] = {}
     for name, pic in (("stock", False), ("minipic", True)):

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from span_contract.env import CPU_ATTN_ENV
+from minipic.span_contract.env import CPU_ATTN_ENV
 
 # Kept short (a few seconds per run) so that stock and minipic runs interleave tightly.
 WORKLOADS: dict[str, dict[str, int]] = {
@@ -94,7 +94,7 @@ def _start(pic: bool, path: str | None, max_model_len: int) -> dict[str, Any]:
     """An engine and the pids of the processes it started (EngineCore, worker)."""
     import psutil
 
-    from span_contract.engine_config import EngineSettings, build_llm
+    from minipic.span_contract.engine_config import EngineSettings, build_llm
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     previous = os.environ.get(CPU_ATTN_ENV)
@@ -160,7 +160,7 @@ def _round(path: str, round_idx: int, reps: int, seed: int, max_model_len: int,
            vocab: int | None) -> tuple[dict[str, Any], int]:
     """Start both engines (stock first in even rounds, minipic first in odd ones), compare,
     close both."""
-    from span_contract.engine_config import close_llm
+    from minipic.span_contract.engine_config import close_llm
 
     specs = [("stock", False, None), ("minipic", path != "stock", path)]
     if round_idx % 2:

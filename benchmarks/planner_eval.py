@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from checkpoint_planner import (  # noqa: E402
+from minipic.checkpoint_planner import (  # noqa: E402
     METHODS,
     OverlapHistogram,
     expected_recompute,

@@ -579,9 +579,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tqdm import tqdm
 
     from minipic.eval.datasets import builtin_items, load_jsonl
-    from prompt_builder import PromptBuilder
-    from span_contract.models import resolve_model
-    from span_contract.special_tokens import span_config_for_model
+    from minipic.prompt_builder import PromptBuilder
+    from minipic.span_contract.models import resolve_model
+    from minipic.span_contract.special_tokens import span_config_for_model
 
     started = time.perf_counter()
     model_dir = resolve_model(args.model)

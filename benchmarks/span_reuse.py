@@ -66,16 +66,16 @@ def _measure(name: str, items: list[dict[str, Any]], max_model_len: int) -> dict
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from engine_ext.holes.scheduler_steps import PER_STEP_ENV
-    from engine_ext.recurrent.checkpoints import call_engine
-    from span_contract.engine_config import (
+    from minipic.engine_ext.holes.scheduler_steps import PER_STEP_ENV
+    from minipic.engine_ext.recurrent.checkpoints import call_engine
+    from minipic.span_contract.engine_config import (
         EngineSettings,
         build_llm,
         close_llm,
         patched_environ,
     )
-    from span_contract.engine_utilities import HOLE_STATS_UTILITY
-    from span_contract.span_config import SPANS_OPT_IN_KEY
+    from minipic.span_contract.engine_utilities import HOLE_STATS_UTILITY
+    from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
     features, per_step = CONFIGS[name]
     holes = "holes" in features
@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--span-tokens", type=int, default=192)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
-    from span_contract.engine_config import EngineSettings
+    from minipic.span_contract.engine_config import EngineSettings
 
     settings = EngineSettings().resolved()
     from transformers import AutoConfig

@@ -109,7 +109,7 @@ class Engine:
 
     def __init__(self, name: str, store: Any, max_model_len: int,
                  kv_bytes: int | None = None) -> None:
-        from span_contract.engine_config import EngineSettings, patched_environ
+        from minipic.span_contract.engine_config import EngineSettings, patched_environ
 
         self.name = name
         started = time.monotonic()
@@ -141,7 +141,7 @@ class Engine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from span_contract.span_config import SPANS_OPT_IN_KEY
+        from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                 extra_args={SPANS_OPT_IN_KEY: True} if opt_in else None)
@@ -151,8 +151,8 @@ class Engine:
         return time.perf_counter() - start, outs
 
     def counts(self) -> dict[str, int]:
-        from engine_ext.recurrent.checkpoints import call_engine
-        from span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
+        from minipic.engine_ext.recurrent.checkpoints import call_engine
+        from minipic.span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
 
         stats = call_engine(self.llm, SPAN_STORE_STATS_UTILITY)
         return {} if stats is None else dict(stats["counts"])
@@ -161,7 +161,7 @@ class Engine:
         assert self.llm.reset_prefix_cache(), "reset_prefix_cache refused"
 
     def close(self) -> None:
-        from span_contract.engine_config import close_llm
+        from minipic.span_contract.engine_config import close_llm
 
         started = time.monotonic()
         close_llm(self.llm)
@@ -200,7 +200,7 @@ def _timed(engine: Engine, prompt: list[int]) -> dict[str, Any]:
 
 
 def ttft_and_restart(args: argparse.Namespace, tok: Tokens, work: Path) -> dict[str, Any]:
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     store_dir = work / "store"
     max_len = -(-(max(args.sizes) + 64) // 256) * 256
@@ -297,7 +297,7 @@ def _first_meta(entries: list[Path]) -> dict[str, Any] | None:
 
 
 def _kv_bytes(engine: Engine) -> dict[str, Any]:
-    from orchestrator.kv_usage import kv_block_bytes
+    from minipic.orchestrator.kv_usage import kv_block_bytes
 
     block = kv_block_bytes(engine.vllm_config)
     return {"block_bytes": block, "block_size": engine.settings.block_size,
@@ -309,8 +309,8 @@ def _kv_bytes(engine: Engine) -> dict[str, Any]:
 
 def corpus(args: argparse.Namespace, tok: Tokens, work: Path, block_bytes: int
            ) -> dict[str, Any]:
-    from engine_ext.attention.key_shadow.pool import DEFAULT_SHARE, SHARE_ENV
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.engine_ext.attention.key_shadow.pool import DEFAULT_SHARE, SHARE_ENV
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     share = float(os.environ.get(SHARE_ENV, DEFAULT_SHARE))
     kv_bytes = int((args.pool_blocks + 0.5) * block_bytes / (1 - share))
@@ -569,7 +569,7 @@ def main() -> None:
         return
     from transformers import AutoConfig
 
-    from span_contract.engine_config import EngineSettings
+    from minipic.span_contract.engine_config import EngineSettings
 
     RESERVED_CPUS[0] = None if args.reserved_cpus < 0 else args.reserved_cpus
 

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine_ext.span_store.tiers import (  # noqa: E402
+from minipic.engine_ext.span_store.tiers import (  # noqa: E402
     FORMAT_VERSION,
     HASHED_HEADER_BYTES,
     MAGIC,
@@ -57,7 +57,7 @@ from engine_ext.span_store.tiers import (  # noqa: E402
     Entry,
     TieredStore,
 )
-from engine_ext.span_store.tiers.files import SECRET_NAME, entry_mac, key_id  # noqa: E402
+from minipic.engine_ext.span_store.tiers.files import SECRET_NAME, entry_mac, key_id  # noqa: E402
 
 FINGERPRINT = "fault-injection|model=tiny|dtype=float32|bs=16"
 KINDS = ("bit_flip", "truncate", "extend", "foreign_fingerprint", "forged_unkeyed",

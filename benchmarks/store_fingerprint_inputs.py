@@ -63,8 +63,8 @@ NOT_RUNNABLE = {
 
 
 def _engine(store_dir: Path, **fields: Any) -> Any:
-    from span_contract.engine_config import EngineSettings, build_llm
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.span_contract.engine_config import EngineSettings, build_llm
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     return build_llm(EngineSettings(model="tiny-llama", pic=True, max_model_len=2048,
                                     span_store=SpanStoreConfig(dir=str(store_dir), ram_mib=0),
@@ -72,8 +72,8 @@ def _engine(store_dir: Path, **fields: Any) -> Any:
 
 
 def _store_counts(llm: Any) -> dict[str, int]:
-    from engine_ext.recurrent.checkpoints import call_engine
-    from span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
+    from minipic.engine_ext.recurrent.checkpoints import call_engine
+    from minipic.span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
 
     stats = call_engine(llm, SPAN_STORE_STATS_UTILITY)
     return {**dict(stats["counts"]), "fingerprint": stats["fingerprint"]}
@@ -83,7 +83,7 @@ def _run(llm: Any, ids: list[int]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from span_contract.span_config import SPANS_OPT_IN_KEY
+    from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5,
                             extra_args={SPANS_OPT_IN_KEY: True})
@@ -124,7 +124,7 @@ def main() -> int:
 
     from tqdm import tqdm
 
-    from span_contract.engine_config import close_llm
+    from minipic.span_contract.engine_config import close_llm
 
     work = Path(tempfile.mkdtemp(prefix="minipic-fingerprint-"))
     shared, rows = work / "store", []

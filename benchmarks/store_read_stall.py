@@ -81,7 +81,7 @@ async def _stream_while_loading(engine: Any, prompt: list[int], rng: random.Rand
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from span_contract.span_config import SPANS_OPT_IN_KEY
+    from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
     opt_in = {SPANS_OPT_IN_KEY: True}
     stamps: list[float] = []
@@ -113,10 +113,10 @@ async def _one_config(name: str, threads: int | None, args: argparse.Namespace,
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from orchestrator.embedded_backend import EmbeddedBackend
-    from span_contract.engine_config import EngineSettings
-    from span_contract.span_config import SPANS_OPT_IN_KEY
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.orchestrator.embedded_backend import EmbeddedBackend
+    from minipic.span_contract.engine_config import EngineSettings
+    from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     store_dir = work / name.replace(" ", "_").replace(",", "")
     store = None if threads is None else SpanStoreConfig(dir=str(store_dir), ram_mib=0,

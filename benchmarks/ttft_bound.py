@@ -88,8 +88,8 @@ class Run:
         self.pic: Any = None
 
     async def start(self) -> None:
-        from orchestrator import Orchestrator
-        from orchestrator.corpus import load_qa_items
+        from minipic.orchestrator import Orchestrator
+        from minipic.orchestrator.corpus import load_qa_items
 
         self.progress(f"starting stock vLLM (plugin off), max_model_len={self.args.max_model_len}")
         self.stock = Orchestrator.embedded(pic=False, max_model_len=self.args.max_model_len)
@@ -109,7 +109,7 @@ class Run:
 
     def documents(self, n: int) -> list[str]:
         """``n`` corpus passages cut to ``span_tokens`` tokens with their SSEP (fixed pool)."""
-        from orchestrator.corpus import load_passages
+        from minipic.orchestrator.corpus import load_passages
 
         builder = self.pic.builder
         span = self.args.span_tokens
@@ -118,7 +118,7 @@ class Run:
         return [builder.decode(builder.encode(p.as_document)[:span - 2]) for p in chosen]
 
     async def _stock(self, case: str, size: int, ids: list[int]) -> Any:
-        from orchestrator.backends import Sampling
+        from minipic.orchestrator.backends import Sampling
 
         sent = time.perf_counter()
         done = await self.stock.backend.generate(ids, sampling=Sampling(max_tokens=1))
@@ -211,8 +211,8 @@ def _points(samples: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def _breakdowns(windows: list[dict[str, Any]], folder: Path) -> dict[str, Any]:
     """Per size and case: bucket-wise medians of the requests' TTFT breakdowns."""
-    from engine_ext.profiling import step_profile
     from minipic.bench.ttft_bound import breakdown, median_breakdown
+    from minipic.engine_ext.profiling import step_profile
 
     step_profile.flush()
     headers, events = step_profile.read_events(folder)
@@ -257,7 +257,7 @@ async def _main(args: argparse.Namespace, profile_dir: Path | None) -> dict[str,
         pool = await run.pic.backend.rotated_pool_stats()
         breakdowns = None
         if profile_dir is not None:  # read while the engines live: they flush periodically
-            from engine_ext.profiling.step_profile import FLUSH_INTERVAL_S
+            from minipic.engine_ext.profiling.step_profile import FLUSH_INTERVAL_S
 
             await asyncio.sleep(3 * FLUSH_INTERVAL_S)
             breakdowns = _breakdowns(run.windows, profile_dir)
@@ -371,7 +371,7 @@ def main() -> int:
             args.profile_dir.mkdir(parents=True, exist_ok=True)
             tmp = str(args.profile_dir.resolve())
         if not args.no_profile:
-            from engine_ext.profiling import step_profile
+            from minipic.engine_ext.profiling import step_profile
 
             profile_dir = Path(tmp)
             os.environ[step_profile.PROFILE_ENV] = tmp  # inherited by the engine processes

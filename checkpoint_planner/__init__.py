@@ -5,13 +5,13 @@ the overlap-depth distribution from observed requests; ``cli`` is ``minipic plan
 imports vLLM: the planner is pure arithmetic and is usable from the client side and from tests.
 """
 
-from checkpoint_planner.estimator import (
+from minipic.checkpoint_planner.estimator import (
     OverlapHistogram,
     histogram_from_depths,
     load_histogram,
     parse_histogram,
 )
-from checkpoint_planner.planner import (
+from minipic.checkpoint_planner.planner import (
     METHODS,
     Plan,
     expected_recompute,

@@ -2,7 +2,7 @@
 
 The subcommand is registered on the caller's argparse ``subparsers`` (``add_subparser``) so that
 the ``minipic`` CLI owns the top-level parser; ``main`` runs it stand-alone
-(``python -m checkpoint_planner.cli plan ...``). Output is one JSON object on stdout;
+(``python -m minipic.checkpoint_planner.cli plan ...``). Output is one JSON object on stdout;
 bad input is one line on stderr and exit status 2.
 """
 
@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from checkpoint_planner.estimator import load_histogram
-from checkpoint_planner.planner import METHODS, make_plan
+from minipic.checkpoint_planner.estimator import load_histogram
+from minipic.checkpoint_planner.planner import METHODS, make_plan
 
 _DESCRIPTION = """\
 Choose where to store recurrent-state checkpoints along a cached prefix of N tokens, given the

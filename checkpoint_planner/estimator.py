@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from checkpoint_planner.planner import Plan, make_plan
+from minipic.checkpoint_planner.planner import Plan, make_plan
 
 # Rescale the lazily-growing weights before they can overflow float64.
 _RESCALE_AT = 1e100

@@ -20,13 +20,13 @@ import uuid
 from argparse import Namespace
 from typing import Any
 
-from span_contract.engine_utilities import (
+from minipic.span_contract.engine_utilities import (
     CHECKPOINT_STATS_UTILITY,
     HOLE_STATS_UTILITY,
     SPAN_STORE_STATS_UTILITY,
 )
-from span_contract.env import CACHE_RESET_ENV
-from span_contract.span_config import SpanConfig, enabled_features
+from minipic.span_contract.env import CACHE_RESET_ENV
+from minipic.span_contract.span_config import SpanConfig, enabled_features
 
 CONFIG_PATH = "/minipic/config"
 RESET_PATH = "/minipic/reset_prefix_cache"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 
-from span_contract.span_config import SpanConfig, enabled_features
+from minipic.span_contract.span_config import SpanConfig, enabled_features
 
 logger = logging.getLogger("minipic.plugin")
 
@@ -48,7 +48,7 @@ def active_state() -> dict[str, object]:
 def register() -> None:
     _register_features()
     # after the features: the profile times the plugin's wrappers with the code they wrap
-    from engine_ext.profiling import step_profile
+    from minipic.engine_ext.profiling import step_profile
 
     step_profile.install_from_env(plugin_on=bool(_STATE["installed"]))
 
@@ -59,7 +59,7 @@ def _register_features() -> None:
         return
     config = SpanConfig.from_env()
     assert config is not None
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     if "holes" in features and not {"hash", "rope"} <= features:
         raise patches.EngineIntegrationError(
@@ -67,28 +67,28 @@ def _register_features() -> None:
             f"with span isolation in attention); features were {sorted(features)}")
     installed: set[str] = set()
     if "hash" in features:
-        from engine_ext.hashing import span_hashing
+        from minipic.engine_ext.hashing import span_hashing
 
         span_hashing.install(config)
         installed.add("hash")
         if "holes" in features:
             # Hits past a miss are only sound when the worker isolates spans (scheduler_lookup's
             # docstring), which comes with the position-free backend.
-            from engine_ext.holes import scheduler_lookup
+            from minipic.engine_ext.holes import scheduler_lookup
 
             scheduler_lookup.install()
             installed.add("holes")
             # the span store is a KV connector the lookup asks first; its counters are an
             # EngineCore utility, there whether or not a store is configured
-            from engine_ext.span_store import stats as span_store_stats
+            from minipic.engine_ext.span_store import stats as span_store_stats
 
             span_store_stats.install()
     if "rope" in features:
         # No fallback on ImportError: span hashing without position-free attention gives wrong
         # answers (tests/engine/test_position_free.py), so a broken import must stop the engine.
-        from engine_ext.attention import cpu_backend, span_isolation
-        from engine_ext.attention.key_shadow import pool as key_shadow_pool
-        from engine_ext.vllm_surface import integration_guard
+        from minipic.engine_ext.attention import cpu_backend, span_isolation
+        from minipic.engine_ext.attention.key_shadow import pool as key_shadow_pool
+        from minipic.engine_ext.vllm_surface import integration_guard
 
         cpu_backend.install(config)
         span_isolation.install(config)
@@ -96,7 +96,7 @@ def _register_features() -> None:
         key_shadow_pool.install_budget()
         installed.add("rope")
     if "ckpt" in features:
-        from engine_ext.recurrent import checkpoints
+        from minipic.engine_ext.recurrent import checkpoints
 
         checkpoints.install()
         installed.add("ckpt")

@@ -25,9 +25,9 @@ import re
 from collections.abc import Callable
 
 from minipic.engine_logs import quiet_engine_logs
-from orchestrator import Answer, SyncOrchestrator
-from orchestrator.corpus import default_corpus
-from prompt_builder import Span
+from minipic.orchestrator import Answer, SyncOrchestrator
+from minipic.orchestrator.corpus import default_corpus
+from minipic.prompt_builder import Span
 
 SYSTEM = ("You are an assistant with tools. The documents describe your tools and your memory "
           "of earlier turns.")

@@ -8,8 +8,8 @@ import sys
 
 from langchain_core.runnables import RunnableLambda
 
-from integrations.langchain import SpanRAGRunnable, WikiRetriever
-from orchestrator import SyncOrchestrator
+from minipic import SyncOrchestrator
+from minipic.integrations.langchain import SpanRAGRunnable, WikiRetriever
 
 SYSTEM = "Answer using only the documents provided. Reply with a short phrase."
 

@@ -7,8 +7,8 @@
 import asyncio
 import sys
 
-from orchestrator import Orchestrator
-from orchestrator.corpus import default_corpus
+from minipic import Orchestrator
+from minipic.orchestrator.corpus import default_corpus
 
 SYSTEM = "Answer using only the documents provided. Reply with a short phrase."
 QUESTIONS = ["What is the height of K2?", "What is the headquarter of Microsoft?"]

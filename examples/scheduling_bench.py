@@ -19,8 +19,8 @@ import argparse
 import statistics
 import time
 
-from orchestrator import Answer, SyncOrchestrator
-from orchestrator.corpus import default_corpus, load_qa_items
+from minipic.orchestrator import Answer, SyncOrchestrator
+from minipic.orchestrator.corpus import default_corpus, load_qa_items
 
 SYSTEM = "Answer the question using only the documents provided. Reply with a short phrase."
 

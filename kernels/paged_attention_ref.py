@@ -21,7 +21,7 @@ Two formulations live here on purpose:
   per request and chunks long prefills to bound memory.
 * :func:`dense_attention_ref` takes contiguous per-request keys/values and uses
   ``torch.nn.functional.scaled_dot_product_attention``; it shares nothing with the paged path
-  except :func:`kernels.rope.rotate`, so agreement between the two validates the gather,
+  except :func:`minipic.kernels.rope.rotate`, so agreement between the two validates the gather,
   positions, GQA mapping and masking of the paged path.
 """
 

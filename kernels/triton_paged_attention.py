@@ -293,7 +293,7 @@ def paged_attention_rope_triton(
     block_n: int | None = None,
     key_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`kernels.paged_attention_ref.paged_attention_rope_ref`.
+    """Triton version of :func:`minipic.kernels.paged_attention_ref.paged_attention_rope_ref`.
 
     Positional arguments, layouts and result are the reference's:
     query ``[num_tokens, num_heads, head_size]`` (rotated), key/value cache

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from span_contract.models import ModelUnavailableError
+from minipic.span_contract.models import ModelUnavailableError
 
 DESCRIPTION = """\
 minipic — span-aware, position-independent KV caching for RAG and agent prompts on vLLM.
@@ -30,7 +30,7 @@ SUBCOMMAND_MODULES = (
     "minipic.serve",
     "minipic.demo",
     "minipic.index.cli",
-    "checkpoint_planner.cli",
+    "minipic.checkpoint_planner.cli",
     "minipic.bench",
     "minipic.eval.cli",
     "minipic.tune.cli",

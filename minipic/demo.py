@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from orchestrator import Answer
+    from minipic.orchestrator import Answer
 
 SYSTEM_PROMPT = (
     "You are a concise assistant. Answer the question using only the documents provided. "
@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     quiet_engine_logs(args.verbose, args.engine_log)  # before vLLM is imported: stdout is ours
     from rich.console import Console
 
-    from orchestrator import SyncOrchestrator
-    from orchestrator.corpus import default_corpus, load_qa_items
+    from minipic.orchestrator import SyncOrchestrator
+    from minipic.orchestrator.corpus import default_corpus, load_qa_items
 
     console = Console()
     kind = "compiled" if args.compiled else "eager"

@@ -37,7 +37,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 
-from span_contract.env import ENGINE_NOISE_FILTER_ENV
+from minipic.span_contract.env import ENGINE_NOISE_FILTER_ENV
 
 FORMAT = "(%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s"
 # "1": install the known-noise filter in this process (and, inherited, in the engine processes)
@@ -66,7 +66,7 @@ KNOWN_NOISE: tuple[KnownNoise, ...] = (
                "a tuning hint (preload tcmalloc / Intel OpenMP): minipic preloads both where "
                "they are installed (span_contract.cpu_runtime), so it shows only where one is "
                "missing, or with MINIPIC_CPU_PRELOAD=0; the engine runs correctly without"),
-    KnownNoise("span_contract.cpu_runtime", r"^CPU runtime: .* not found",
+    KnownNoise("minipic.span_contract.cpu_runtime", r"^CPU runtime: .* not found",
                "minipic's own line for the same case (which library, where to get it); "
                "--verbose shows it"),
     KnownNoise("vllm.triton_utils.importing",

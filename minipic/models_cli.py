@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from span_contract import models
+from minipic.span_contract import models
 
 
 def add_subparser(subparsers: argparse._SubParsersAction) -> None:

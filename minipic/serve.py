@@ -23,13 +23,13 @@ import os
 import sys
 from pathlib import Path
 
-from engine_ext.endpoints import CACHE_RESET_ENV, RESET_PATH
-from engine_ext.recurrent.policy import CheckpointConfig
-from serving.cluster_app import ROUTERS
-from serving.supervise import supervise
-from span_contract.cpu_runtime import THREADS_BIND_ENV
-from span_contract.engine_config import EngineSettings
-from span_contract.span_store_config import (
+from minipic.engine_ext.endpoints import CACHE_RESET_ENV, RESET_PATH
+from minipic.engine_ext.recurrent.policy import CheckpointConfig
+from minipic.serving.cluster_app import ROUTERS
+from minipic.serving.supervise import supervise
+from minipic.span_contract.cpu_runtime import THREADS_BIND_ENV
+from minipic.span_contract.engine_config import EngineSettings
+from minipic.span_contract.span_store_config import (
     DEFAULT_ENV,
     OFF_VALUES,
     SpanStoreConfig,
@@ -175,7 +175,7 @@ def ckpt_config(args: argparse.Namespace) -> CheckpointConfig | None:
     if args.ckpt_histogram == "learn":
         return CheckpointConfig(budget=args.ckpt_budget, method=args.ckpt_method, learn=True,
                                 half_life=args.ckpt_half_life)
-    from checkpoint_planner import load_histogram
+    from minipic.checkpoint_planner import load_histogram
 
     load_histogram(args.ckpt_histogram)
     return CheckpointConfig(budget=args.ckpt_budget, method=args.ckpt_method,
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.kv_cache_gib is not None:  # read by EngineSettings.plugin_env, here and in replicas
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
-    from serving.documents.bodies import Limits
+    from minipic.serving.documents.bodies import Limits
 
     if min(args.max_body_mib, args.max_documents, args.max_document_chars) <= 0:
         print("minipic serve: error: --max-body-mib, --max-documents and --max-document-chars "
@@ -291,8 +291,8 @@ def run(args: argparse.Namespace) -> int:
 def _tp_thread_binding(ranks: int) -> str | None:
     """The CPU thread binding to set for ``ranks`` tensor-parallel workers: None on GPU, without
     tensor parallelism, or when the user set one."""
-    from span_contract.cpu_runtime import thread_binding
-    from span_contract.engine_config import _is_cpu
+    from minipic.span_contract.cpu_runtime import thread_binding
+    from minipic.span_contract.engine_config import _is_cpu
 
     if ranks < 2 or THREADS_BIND_ENV in os.environ or not _is_cpu():
         return None
@@ -338,7 +338,7 @@ def run_replicas(args: argparse.Namespace, settings: EngineSettings, extra: list
                   port=args.port, router=args.router, served_name=args.served_model_name,
                   address=args.ray_address, replicas_per_node=args.replicas_per_node,
                   enable_cache_reset=args.enable_cache_reset)
-    argv = [sys.executable, "-m", "serving.cluster_app", json.dumps(params)]
+    argv = [sys.executable, "-m", "minipic.serving.cluster_app", json.dumps(params)]
     # the Ray driver stops the cluster in order on SIGTERM / SIGINT; the group (Ray's own
     # processes) is stopped whatever is left, and by the guard if this process is killed
     return supervise(argv, dict(os.environ), signal_group=False)

@@ -20,9 +20,9 @@ LangChain and LlamaIndex live beside the SDK, in ``integrations/``.
 
 from __future__ import annotations
 
-from orchestrator.backends import BackendInfo, Completion, EngineBackend, Sampling
-from orchestrator.client import Orchestrator, Question
-from orchestrator.errors import (
+from minipic.orchestrator.backends import BackendInfo, Completion, EngineBackend, Sampling
+from minipic.orchestrator.client import Orchestrator, Question
+from minipic.orchestrator.errors import (
     BadInputError,
     CacheMismatchError,
     ConfigMismatchError,
@@ -34,11 +34,11 @@ from orchestrator.errors import (
     SpanTooLongError,
     UnavailableError,
 )
-from orchestrator.results import Answer, SpanStatus
-from orchestrator.retry import RetryPolicy
-from orchestrator.scheduler import SchedulerEvent, SchedulerOptions
-from orchestrator.sync_client import SyncOrchestrator
-from orchestrator.warmth import WarmthRegistry
+from minipic.orchestrator.results import Answer, SpanStatus
+from minipic.orchestrator.retry import RetryPolicy
+from minipic.orchestrator.scheduler import SchedulerEvent, SchedulerOptions
+from minipic.orchestrator.sync_client import SyncOrchestrator
+from minipic.orchestrator.warmth import WarmthRegistry
 
 __all__ = [
     "Answer",

@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from span_contract.span_config import SpanConfig
+from minipic.span_contract.span_config import SpanConfig
 
 
 class Sampling(BaseModel):

@@ -29,13 +29,13 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from orchestrator.errors import (
+from minipic.orchestrator.errors import (
     ConfigMismatchError,
     EngineError,
     EngineUnreachableError,
     MinipicError,
 )
-from orchestrator.retry import RetryPolicy
+from minipic.orchestrator.retry import RetryPolicy
 
 RECHECK_S = 1.0  # while mismatched, re-read the server's configuration at most this often
 

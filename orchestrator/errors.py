@@ -12,9 +12,14 @@ values, one per failed question, each with its own ``question_index`` (``with_in
 
 from __future__ import annotations
 
-from span_contract import errors as _tree
-from span_contract.errors import *  # noqa: F403  (the tree, re-exported: see __all__)
-from span_contract.errors import BadInputError, MinipicError, PromptBuildError, SpanTooLongError
+from minipic.span_contract import errors as _tree
+from minipic.span_contract.errors import *  # noqa: F403  (the tree, re-exported: see __all__)
+from minipic.span_contract.errors import (
+    BadInputError,
+    MinipicError,
+    PromptBuildError,
+    SpanTooLongError,
+)
 
 # The tree but PromptBuildError (it reaches SDK callers as BadInputError), and the SDK's helpers
 __all__ = [

@@ -28,15 +28,15 @@ from typing import Any
 
 import httpx
 
-from orchestrator.backends import BackendInfo, Delta, Sampling, TransportBackend, Usage
-from orchestrator.errors import (
+from minipic.orchestrator.backends import BackendInfo, Delta, Sampling, TransportBackend, Usage
+from minipic.orchestrator.errors import (
     BadInputError,
     ConfigMismatchError,
     EngineError,
     EngineUnreachableError,
     RequestTimeoutError,
 )
-from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig
+from minipic.span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig
 
 CONFIG_PATH = "/minipic/config"
 RESET_PATH = "/reset_prefix_cache"  # vLLM's, development mode only
@@ -109,7 +109,7 @@ def fetch_server_info(
     root = card.get("root")
     if tokenizer is None:
         tokenizer = root if root and os.path.isdir(root) else None
-    from span_contract.models import resolve_model
+    from minipic.span_contract.models import resolve_model
 
     info = BackendInfo(
         kind="http", model=card["id"], tokenizer=resolve_model(tokenizer),

@@ -17,8 +17,8 @@ import queue
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-from orchestrator.errors import MinipicError
-from orchestrator.sync_client import SyncOrchestrator
+from minipic.orchestrator.errors import MinipicError
+from minipic.orchestrator.sync_client import SyncOrchestrator
 
 T = TypeVar("T")
 _ITEM, _ERROR, _DONE = "item", "error", "done"
@@ -27,7 +27,7 @@ _ITEM, _ERROR, _DONE = "item", "error", "done"
 def check_orchestrator(value: Any) -> Any:
     """A framework component's ``orchestrator`` field: an ``Orchestrator`` or a
     ``SyncOrchestrator``, nothing else (pydantic validators of both integrations call it)."""
-    from orchestrator.client import Orchestrator
+    from minipic.orchestrator.client import Orchestrator
 
     if not isinstance(value, (Orchestrator, SyncOrchestrator)):
         raise TypeError(f"orchestrator must be an Orchestrator or SyncOrchestrator, got "

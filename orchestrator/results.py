@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from prompt_builder import BudgetReport, Mode, SkippedSpan
+from minipic.prompt_builder import BudgetReport, Mode, SkippedSpan
 
 
 class SpanStatus(BaseModel):

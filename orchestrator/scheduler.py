@@ -43,20 +43,20 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.backends import Completion, EngineBackend, Sampling
-from orchestrator.circuit import Circuit
-from orchestrator.errors import (
+from minipic.orchestrator.backends import Completion, EngineBackend, Sampling
+from minipic.orchestrator.circuit import Circuit
+from minipic.orchestrator.errors import (
     CacheMismatchError,
     EngineUnreachableError,
     MinipicError,
     RequestTimeoutError,
     with_index,
 )
-from orchestrator.results import Answer, SpanStatus
-from orchestrator.retry import RetryBudget, RetryPolicy
-from orchestrator.slots import PrioritySlots
-from orchestrator.warmth import CacheCheck, WarmKey, WarmthRegistry, check_cache
-from prompt_builder import BuiltPrompt
+from minipic.orchestrator.results import Answer, SpanStatus
+from minipic.orchestrator.retry import RetryBudget, RetryPolicy
+from minipic.orchestrator.slots import PrioritySlots
+from minipic.orchestrator.warmth import CacheCheck, WarmKey, WarmthRegistry, check_cache
+from minipic.prompt_builder import BuiltPrompt
 
 Policy = Literal["isps", "barrier"]
 PREFILL_SAMPLING = Sampling(max_tokens=1)  # a span prefill only fills the cache

@@ -151,6 +151,6 @@ def embedded_fingerprint(backend: Any) -> str | None:
     store = getattr(settings, "span_store", None)
     if store is None or engine is None:
         return None
-    from span_contract.span_store_config import config_fingerprint
+    from minipic.span_contract.span_store_config import config_fingerprint
 
     return config_fingerprint(engine.vllm_config, store.weights_digest, settings.span_config)

@@ -21,12 +21,12 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from orchestrator.backends import Completion, Sampling
-from orchestrator.client import Document, Orchestrator
-from orchestrator.errors import RequestTimeoutError
-from orchestrator.results import Answer, SpanStatus
-from orchestrator.warmth import CacheCheck, check_cache
-from prompt_builder import BudgetPolicy, BuiltPrompt, Mode
+from minipic.orchestrator.backends import Completion, Sampling
+from minipic.orchestrator.client import Document, Orchestrator
+from minipic.orchestrator.errors import RequestTimeoutError
+from minipic.orchestrator.results import Answer, SpanStatus
+from minipic.orchestrator.warmth import CacheCheck, check_cache
+from minipic.prompt_builder import BudgetPolicy, BuiltPrompt, Mode
 
 
 @runtime_checkable

@@ -17,12 +17,12 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from orchestrator.client import Document, Orchestrator, Question
-from orchestrator.errors import MinipicError
-from orchestrator.results import Answer
-from orchestrator.scheduler import Policy, SchedulerEvent, SchedulerOptions
-from orchestrator.warmth import WarmthRegistry
-from prompt_builder import BudgetPolicy, BuiltPrompt, Mode
+from minipic.orchestrator.client import Document, Orchestrator, Question
+from minipic.orchestrator.errors import MinipicError
+from minipic.orchestrator.results import Answer
+from minipic.orchestrator.scheduler import Policy, SchedulerEvent, SchedulerOptions
+from minipic.orchestrator.warmth import WarmthRegistry
+from minipic.prompt_builder import BudgetPolicy, BuiltPrompt, Mode
 
 T = TypeVar("T")
 

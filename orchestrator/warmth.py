@@ -27,8 +27,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from orchestrator.span_index import salt_digest
-from prompt_builder import BuiltPrompt, SpanInfo
+from minipic.orchestrator.span_index import salt_digest
+from minipic.prompt_builder import BuiltPrompt, SpanInfo
 
 WarmKey = tuple[str | None, str]  # (cache_salt, prefill_key)
 

@@ -4,8 +4,8 @@ Start with ``PromptBuilder.from_pretrained(model_dir)`` and ``builder.build(...)
 of the modes are documented in ``prompt_builder.modes``.
 """
 
-from prompt_builder import errors
-from prompt_builder.budget import (
+from minipic.prompt_builder import errors
+from minipic.prompt_builder.budget import (
     BudgetPolicy,
     BudgetReport,
     DroppedSpan,
@@ -13,20 +13,20 @@ from prompt_builder.budget import (
     TruncatedSpan,
     fit_texts,
 )
-from prompt_builder.builder import PromptBuilder
-from prompt_builder.counting import (
+from minipic.prompt_builder.builder import PromptBuilder
+from minipic.prompt_builder.counting import (
     HFTokenCounter,
     TiktokenCounter,
     TokenCounter,
     as_token_counter,
     count_tokens,
 )
-from prompt_builder.errors import *  # noqa: F403  (the errors users catch: errors.__all__)
-from prompt_builder.layout import Segment
-from prompt_builder.modes import Mode, ModeSpec, parse_mode
-from prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
-from prompt_builder.spans import PreparedSpan, Span, content_id
-from span_contract.span_config import SpanConfig
+from minipic.prompt_builder.errors import *  # noqa: F403  (the errors users catch: errors.__all__)
+from minipic.prompt_builder.layout import Segment
+from minipic.prompt_builder.modes import Mode, ModeSpec, parse_mode
+from minipic.prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
+from minipic.prompt_builder.spans import PreparedSpan, Span, content_id
+from minipic.span_contract.span_config import SpanConfig
 
 __all__ = [
     "BudgetPolicy",

@@ -28,8 +28,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from prompt_builder.counting import as_token_counter, truncate_text
-from prompt_builder.errors import InvalidInputError, PromptTooLongError, coerce_choice
+from minipic.prompt_builder.counting import as_token_counter, truncate_text
+from minipic.prompt_builder.errors import InvalidInputError, PromptTooLongError, coerce_choice
 
 
 class BudgetPolicy(StrEnum):

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError as PydanticValidationError
 
-from prompt_builder.budget import (
+from minipic.prompt_builder.budget import (
     BudgetPolicy,
     BudgetReport,
     DroppedSpan,
@@ -25,10 +25,10 @@ from prompt_builder.budget import (
     allocate,
     coerce_policy,
 )
-from prompt_builder.chat import PromptFrame, chat_frame, plain_frame
-from prompt_builder.counting import HFTokenCounter, TokenCounter
-from prompt_builder.encoding import PromptEncoder
-from prompt_builder.errors import (
+from minipic.prompt_builder.chat import PromptFrame, chat_frame, plain_frame
+from minipic.prompt_builder.counting import HFTokenCounter, TokenCounter
+from minipic.prompt_builder.encoding import PromptEncoder
+from minipic.prompt_builder.errors import (
     BlockSizeError,
     EngineMismatchError,
     InvalidInputError,
@@ -37,7 +37,7 @@ from prompt_builder.errors import (
     SpanTokenError,
     SpanTooLongError,
 )
-from prompt_builder.layout import (
+from minipic.prompt_builder.layout import (
     Segment,
     blocks_for,
     expected_cached_tokens,
@@ -45,9 +45,9 @@ from prompt_builder.layout import (
     reusable_block_mask,
     reusable_tokens,
 )
-from prompt_builder.modes import Layout, Mode, PromptParts, make_layout, parse_mode
-from prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
-from prompt_builder.spans import (
+from minipic.prompt_builder.modes import Layout, Mode, PromptParts, make_layout, parse_mode
+from minipic.prompt_builder.result import BuiltPrompt, SkippedSpan, SpanInfo
+from minipic.prompt_builder.spans import (
     PreparedSpan,
     Span,
     check_distinct_ids,
@@ -56,8 +56,8 @@ from prompt_builder.spans import (
     prefill_key,
     require_tokens,
 )
-from span_contract.span_config import SpanConfig
-from span_contract.special_tokens import (
+from minipic.span_contract.span_config import SpanConfig
+from minipic.span_contract.special_tokens import (
     FAMILY_TOKENS,
     NoSpanTokensError,
     default_span_config,
@@ -154,7 +154,7 @@ class PromptBuilder:
         """
         from transformers import AutoTokenizer
 
-        from span_contract.models import resolve_model
+        from minipic.span_contract.models import resolve_model
 
         _check_block_size(block_size, block_size_multiple)
         path = resolve_model(model_dir)

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prompt_builder.encoding import PromptEncoder
-from prompt_builder.errors import ChatTemplateError, SpanTokenError
+from minipic.prompt_builder.encoding import PromptEncoder
+from minipic.prompt_builder.errors import ChatTemplateError, SpanTokenError
 
 SYSTEM_SLOT = "\ue000minipic-system\ue000"
 SPANS_SLOT = "\ue000minipic-spans\ue000"

@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from prompt_builder.errors import InvalidInputError
+from minipic.prompt_builder.errors import InvalidInputError
 
 
 @runtime_checkable
@@ -57,7 +57,7 @@ class TiktokenCounter:
 def as_token_counter(counter: Any) -> TokenCounter:
     """Wrap a tiktoken encoding (or its name), an HF tokenizer, or pass a TokenCounter through."""
     if isinstance(counter, str):
-        from span_contract.tiktoken_offline import get_encoding
+        from minipic.span_contract.tiktoken_offline import get_encoding
 
         return TiktokenCounter(get_encoding(counter))
     if hasattr(counter, "encode_ordinary"):

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from prompt_builder.errors import InvalidInputError, ReservedTokenError, SpanTokenError
-from span_contract.span_config import SpanConfig
-from span_contract.special_tokens import special_token_ids
+from minipic.prompt_builder.errors import InvalidInputError, ReservedTokenError, SpanTokenError
+from minipic.span_contract.span_config import SpanConfig
+from minipic.span_contract.special_tokens import special_token_ids
 
 MARKER_NAMES = ("ssep_id", "pdep_id", "pad_id")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TypeVar
 
-from span_contract.errors import ConfigMismatchError, PromptBuildError, SpanTooLongError
-from span_contract.special_tokens import NoSpanTokensError
+from minipic.span_contract.errors import ConfigMismatchError, PromptBuildError, SpanTooLongError
+from minipic.span_contract.special_tokens import NoSpanTokensError
 
 __all__ = [
     "BlockSizeError", "ChatTemplateError", "DuplicateSpanIdError", "EmptySpanError",

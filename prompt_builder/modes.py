@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
 
-from prompt_builder.errors import InvalidInputError, coerce_choice
-from prompt_builder.layout import LayoutWriter, padded
-from prompt_builder.spans import PreparedSpan
-from span_contract.span_config import SpanConfig
+from minipic.prompt_builder.errors import InvalidInputError, coerce_choice
+from minipic.prompt_builder.layout import LayoutWriter, padded
+from minipic.prompt_builder.spans import PreparedSpan
+from minipic.span_contract.span_config import SpanConfig
 
 
 class Mode(StrEnum):

@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from prompt_builder.budget import BudgetReport
-from prompt_builder.layout import Segment
-from prompt_builder.modes import Mode
-from span_contract.span_config import SpanConfig
+from minipic.prompt_builder.budget import BudgetReport
+from minipic.prompt_builder.layout import Segment
+from minipic.prompt_builder.modes import Mode
+from minipic.span_contract.span_config import SpanConfig
 
 
 class SpanInfo(BaseModel):

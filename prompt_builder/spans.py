@@ -18,8 +18,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from prompt_builder.errors import DuplicateSpanIdError, EmptySpanError, InvalidInputError
-from span_contract.span_config import SpanConfig
+from minipic.prompt_builder.errors import DuplicateSpanIdError, EmptySpanError, InvalidInputError
+from minipic.span_contract.span_config import SpanConfig
 
 
 class Span(BaseModel):

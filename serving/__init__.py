@@ -10,7 +10,7 @@ Where things are, in the order a request passes them in a cluster (``minipic ser
 - ``replica``: one replica: the server ``minipic serve`` runs, with KV events on
 - ``supervise``: server processes that die with their owner (SIGKILL included)
 
-Names are imported on first use: the guard process (``python -m serving.supervise``) and
+Names are imported on first use: the guard process (``python -m minipic.serving.supervise``) and
 ``minipic serve`` without replicas must not pay for importing Ray.
 """
 
@@ -20,20 +20,20 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "BlockIndex": "serving.block_index",
-    "ClusterIngress": "serving.ingress",
-    "EngineReplica": "serving.replica",
-    "EventSource": "serving.kv_events",
-    "GuardedProcess": "serving.supervise",
-    "HashSetup": "serving.request_blocks",
-    "KvEventSubscriber": "serving.kv_events",
-    "RequestBlockHasher": "serving.request_blocks",
-    "RoundRobinRouter": "serving.span_router",
-    "RoutedRequest": "serving.request_blocks",
-    "SpanAffinityRouter": "serving.span_router",
-    "build_app": "serving.cluster_app",
-    "run_cluster": "serving.cluster_app",
-    "supervise": "serving.supervise",
+    "BlockIndex": "minipic.serving.block_index",
+    "ClusterIngress": "minipic.serving.ingress",
+    "EngineReplica": "minipic.serving.replica",
+    "EventSource": "minipic.serving.kv_events",
+    "GuardedProcess": "minipic.serving.supervise",
+    "HashSetup": "minipic.serving.request_blocks",
+    "KvEventSubscriber": "minipic.serving.kv_events",
+    "RequestBlockHasher": "minipic.serving.request_blocks",
+    "RoundRobinRouter": "minipic.serving.span_router",
+    "RoutedRequest": "minipic.serving.request_blocks",
+    "SpanAffinityRouter": "minipic.serving.span_router",
+    "build_app": "minipic.serving.cluster_app",
+    "run_cluster": "minipic.serving.cluster_app",
+    "supervise": "minipic.serving.supervise",
 }
 
 __all__ = sorted(_WHERE)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from argparse import Namespace
 from typing import Any
 
-from engine_ext.endpoints import MinipicEndpoints, current_config
-from serving.documents import chat_render
-from serving.documents.middleware import STATE_ATTR, DocumentsMiddleware
-from span_contract.span_config import SpanConfig
+from minipic.engine_ext.endpoints import MinipicEndpoints, current_config
+from minipic.serving.documents import chat_render
+from minipic.serving.documents.middleware import STATE_ATTR, DocumentsMiddleware
+from minipic.span_contract.span_config import SpanConfig
 
 # requests laid out, span prefills sent (a cold span shared by concurrent requests counts once)
 DOCUMENTS_STATS_PATH = "/minipic/documents"
@@ -45,7 +45,7 @@ class MinipicServerEndpoints(MinipicEndpoints):
         span = SpanConfig.from_env()
         if span is None or engine_client is None or "hash" not in current_config()["features"]:
             return  # stock engine: documents requests are refused with a 400
-        from serving.documents.server_side import ServerSide
+        from minipic.serving.documents.server_side import ServerSide
 
         model = engine_client.model_config
         chat_render.install()

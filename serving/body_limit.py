@@ -19,7 +19,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from serving.documents.bodies import Limits
+from minipic.serving.documents.bodies import Limits
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

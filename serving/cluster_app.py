@@ -19,14 +19,14 @@ import threading
 import uuid
 from typing import Any
 
-from serving.request_blocks import HashSetup, none_hash_seed
-from span_contract.engine_config import EngineSettings
+from minipic.serving.request_blocks import HashSetup, none_hash_seed
+from minipic.span_contract.engine_config import EngineSettings
 
 APP_NAME = "minipic"
 ROUTERS = {
-    "span": "serving.span_router.SpanAffinityRouter",
+    "span": "minipic.serving.span_router.SpanAffinityRouter",
     "prefix": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
-    "round_robin": "serving.span_router.RoundRobinRouter",
+    "round_robin": "minipic.serving.span_router.RoundRobinRouter",
     "pow2": None,
 }
 # requests one replica takes at once: vLLM batches them itself; Ray's default (5) would queue
@@ -46,8 +46,8 @@ def build_app(settings: EngineSettings, *, replicas: int, router: str = "span",
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from serving.ingress import ClusterIngress
-    from serving.replica import EngineReplica
+    from minipic.serving.ingress import ClusterIngress
+    from minipic.serving.replica import EngineReplica
 
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose one of {sorted(ROUTERS)}")
@@ -86,7 +86,7 @@ def run_cluster(settings: EngineSettings, *, replicas: int, host: str, port: int
     import ray
     from ray import serve
 
-    from serving.documents.bodies import Limits
+    from minipic.serving.documents.bodies import Limits
 
     logging.getLogger("ray").setLevel(logging.WARNING)
     # LD_PRELOAD is for the vLLM servers only: each replica computes it again for its own
@@ -125,8 +125,9 @@ def run_cluster(settings: EngineSettings, *, replicas: int, host: str, port: int
 
 
 def main(argv: list[str]) -> int:
-    """``python -m serving.cluster_app JSON``: the Ray driver ``minipic serve --replicas`` runs
-    under its supervisor (so a SIGKILLed ``minipic serve`` takes Ray's own processes down too).
+    """``python -m minipic.serving.cluster_app JSON``: the Ray driver ``minipic serve
+    --replicas`` runs under its supervisor (so a SIGKILLed ``minipic serve`` takes Ray's own
+    processes down too).
     JSON: ``run_cluster``'s keyword arguments, with ``settings`` as EngineSettings JSON."""
     import json
 

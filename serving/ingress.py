@@ -31,10 +31,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from engine_ext.endpoints import RESET_PATH
-from serving.body_limit import BodyLimitMiddleware, error_body
-from serving.request_blocks import HashSetup, RequestBlockHasher, RoutedRequest
-from span_contract.engine_config import EngineSettings
+from minipic.engine_ext.endpoints import RESET_PATH
+from minipic.serving.body_limit import BodyLimitMiddleware, error_body
+from minipic.serving.request_blocks import HashSetup, RequestBlockHasher, RoutedRequest
+from minipic.span_contract.engine_config import EngineSettings
 
 MAX_ATTEMPTS = 3
 RETRY_BACKOFF_S = 0.5
@@ -157,7 +157,7 @@ class ClusterIngress:
                              "stored": router.held_by(routed.block_hashes, False)})
 
     def _router(self) -> Any:
-        from serving import router_registry
+        from minipic.serving import router_registry
 
         return router_registry.lookup(serve.get_replica_context().app_name)
 

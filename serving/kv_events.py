@@ -27,7 +27,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.block_index import BlockIndex
+from minipic.serving.block_index import BlockIndex
 
 log = logging.getLogger(__name__)
 

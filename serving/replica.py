@@ -31,11 +31,11 @@ from typing import Any
 
 import httpx
 
-from engine_ext.endpoints import CACHE_RESET_ENV
-from serving.request_blocks import HashSetup, RoutedRequest, none_hash_seed
-from serving.store_identity import STAT_KEY, ReplicaStore
-from serving.supervise import GuardedProcess
-from span_contract.engine_config import EngineSettings
+from minipic.engine_ext.endpoints import CACHE_RESET_ENV
+from minipic.serving.request_blocks import HashSetup, RoutedRequest, none_hash_seed
+from minipic.serving.store_identity import STAT_KEY, ReplicaStore
+from minipic.serving.supervise import GuardedProcess
+from minipic.span_contract.engine_config import EngineSettings
 
 START_TIMEOUT_S = 900.0
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

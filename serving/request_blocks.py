@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig, spans_opted_in
+from minipic.span_contract.span_config import (
+    ROUTE_AS_KEY,
+    SPANS_OPT_IN_KEY,
+    SpanConfig,
+    spans_opted_in,
+)
 
 
 def none_hash_seed(algo: str, environ: dict[str, str] | None = None) -> str | None:
@@ -104,8 +109,8 @@ class RequestBlockHasher:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core import kv_cache_utils as kcu
 
-        from engine_ext.hashing.span_hashing import make_span_block_hasher
-        from engine_ext.vllm_surface import patches
+        from minipic.engine_ext.hashing.span_hashing import make_span_block_hasher
+        from minipic.engine_ext.vllm_surface import patches
 
         found = patches.problems("route")
         if found:  # hashes that silently differ from the engine's would route nothing
@@ -140,7 +145,7 @@ class RequestBlockHasher:
 
     @functools.cached_property
     def _layout_builder(self) -> Any:
-        from serving.documents.server_side import layout_builder
+        from minipic.serving.documents.server_side import layout_builder
 
         return layout_builder(str(self._tokenizer_path), self.setup.span_config,
                               self._max_model_len)
@@ -148,8 +153,8 @@ class RequestBlockHasher:
     def _laid_out(self, route: str, body: dict[str, Any]) -> list[list[int]]:
         """A documents body's prompt as its replica will lay it out ([] when it cannot be:
         the replica answers the 400)."""
-        from serving.documents.bodies import parse
-        from serving.documents.server_side import layout
+        from minipic.serving.documents.bodies import parse
+        from minipic.serving.documents.server_side import layout
 
         if self._tokenizer_path is None:
             return []
@@ -164,7 +169,7 @@ class RequestBlockHasher:
         """The prompts of a body (or ``prompt`` in its place) as token ids ([] when they
         cannot be read: no affinity). A body with documents (``serving/documents``) is laid
         out as the replica will lay it out."""
-        from serving.documents.bodies import wants_documents
+        from minipic.serving.documents.bodies import wants_documents
 
         if prompt is None and wants_documents(route, body):  # type: ignore[arg-type]
             return self._laid_out(route, body)
@@ -212,7 +217,7 @@ class RequestBlockHasher:
         prompts: list[list[int]] | None = None
         hashes: list[int] = []
         if hash_blocks and self.setup.matchable:
-            from serving.documents.bodies import wants_documents
+            from minipic.serving.documents.bodies import wants_documents
 
             xargs = body.get("vllm_xargs")
             # the engine's own reading of the opt-in (True, 1 or "true")

@@ -48,11 +48,11 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from serving import router_registry
-from serving.block_index import BlockIndex
-from serving.kv_events import EventSource, KvEventSubscriber
-from serving.request_blocks import RoutedRequest
-from serving.store_identity import STAT_KEY, StoreDecision, decide, log_decision
+from minipic.serving import router_registry
+from minipic.serving.block_index import BlockIndex
+from minipic.serving.kv_events import EventSource, KvEventSubscriber
+from minipic.serving.request_blocks import RoutedRequest
+from minipic.serving.store_identity import STAT_KEY, StoreDecision, decide, log_decision
 
 log = logging.getLogger(__name__)
 

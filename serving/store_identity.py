@@ -113,7 +113,7 @@ def store_identity(root: str | Path, *, group_access: bool = False,
     """The identity of the store at ``root`` (see the module docstring), created if it has none;
     None when the folder cannot hold one or is not trusted as a store (another user's: the tier
     would not use it either, ``engine_ext.span_store.tiers.files``)."""
-    from engine_ext.span_store.tiers.files import Modes, check_root, make_dir
+    from minipic.engine_ext.span_store.tiers.files import Modes, check_root, make_dir
 
     path = Path(root)
     try:

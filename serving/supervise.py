@@ -17,7 +17,8 @@ stay in their parent's process group, though. So:
   minutes). A second signal, or a shutdown slower than ``SHUTDOWN_GRACE_S``, kills the group.
   Whatever is left of the group after the server exits is stopped too.
 
-The guard is this module run as ``python -m serving.supervise FD``; it imports nothing heavy.
+The guard is this module run as ``python -m minipic.serving.supervise FD``; it imports nothing
+heavy.
 ``GuardedProcess`` gives a Ray Serve replica the same guarantee for its server.
 """
 
@@ -112,7 +113,7 @@ def start_guard(detach: bool = False) -> tuple[subprocess.Popen[bytes], int]:
     intermediate). Ray kills a dead worker's child processes, the guard included, but not their
     children, so a guard left as a child of a Ray replica would die before doing its job."""
     read_fd, write_fd = os.pipe()  # both ends non-inheritable (PEP 446)
-    argv = [sys.executable, "-m", "serving.supervise", str(read_fd)]
+    argv = [sys.executable, "-m", "minipic.serving.supervise", str(read_fd)]
     guard_proc = subprocess.Popen(argv + (["--detach"] if detach else []),
                                   pass_fds=(read_fd,), stdin=subprocess.DEVNULL,
                                   start_new_session=True)

@@ -11,9 +11,14 @@ layout (nothing here imports the app, the client or the engine extension).
 * ``errors`` — the one exception tree users catch by kind.
 """
 
-from span_contract import errors
-from span_contract.errors import *  # noqa: F403  (the exception tree: errors.__all__)
-from span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig, spans_opted_in
+from minipic.span_contract import errors
+from minipic.span_contract.errors import *  # noqa: F403  (the exception tree: errors.__all__)
+from minipic.span_contract.span_config import (
+    ROUTE_AS_KEY,
+    SPANS_OPT_IN_KEY,
+    SpanConfig,
+    spans_opted_in,
+)
 
 # Light on purpose: vLLM's processes import this package through the plugin. Engine settings,
 # models and checkpoint settings are imported from their modules (span_contract.engine_config,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from span_contract.span_config import CKPT_CONFIG_ENV
+from minipic.span_contract.span_config import CKPT_CONFIG_ENV
 
 
 class CheckpointConfig(BaseModel):
@@ -40,7 +40,7 @@ class CheckpointConfig(BaseModel):
     @field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        from checkpoint_planner import METHODS
+        from minipic.checkpoint_planner import METHODS
 
         if value not in METHODS:
             raise ValueError(f"unknown planner method {value!r}; choose one of {METHODS}")
@@ -51,14 +51,14 @@ class CheckpointConfig(BaseModel):
         if self.histogram is not None and self.histogram_file is not None:
             raise ValueError("give either histogram or histogram_file, not both")
         if self.histogram is not None:
-            from checkpoint_planner import parse_histogram
+            from minipic.checkpoint_planner import parse_histogram
 
             parse_histogram(list(self.histogram))  # fail here, not in the engine process
         return self
 
     def prior(self) -> np.ndarray | None:
         """The configured histogram as probabilities, or None (uniform prior)."""
-        from checkpoint_planner import load_histogram, parse_histogram
+        from minipic.checkpoint_planner import load_histogram, parse_histogram
 
         if self.histogram is not None:
             return parse_histogram(list(self.histogram))

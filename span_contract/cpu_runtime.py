@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from span_contract.env import CPU_PRELOAD_ENV
+from minipic.span_contract.env import CPU_PRELOAD_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ def plan(environ: Mapping[str, str], dirs: Sequence[Path], machine: str) -> Prel
         libraries.append(str(tcmalloc))
     else:
         skipped.append(f"tcmalloc: not found (Debian/Ubuntu package {TCMALLOC_PACKAGE}; "
-                       "`python -m span_contract.cpu_runtime fetch` unpacks it into this venv)")
+                       "`python -m minipic.span_contract.cpu_runtime fetch` unpacks it into "
+                       "this venv)")
     if machine.lower() not in _X86:
         skipped.append(f"Intel OpenMP: x86 only (this is {machine})")
     elif any(marker in existing for marker in _OPENMP_MARKERS):
@@ -199,8 +200,8 @@ def fetch_tcmalloc(dest: Path | None = None) -> Path | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m span_contract.cpu_runtime fetch | env``: used by ``make setup``; never fails
-    the set-up (a missing library only costs speed)."""
+    """``python -m minipic.span_contract.cpu_runtime fetch | env``: used by ``make setup``; never
+    fails the set-up (a missing library only costs speed)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args == ["fetch"]:
         path = fetch_tcmalloc()
@@ -213,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key, value in preload_env().items():
             print(f"{key}={value}")
         return 0
-    print("usage: python -m span_contract.cpu_runtime fetch | env", file=sys.stderr)
+    print("usage: python -m minipic.span_contract.cpu_runtime fetch | env", file=sys.stderr)
     return 2
 
 

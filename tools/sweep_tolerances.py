@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from span_contract.env import TEST_SEED_ENV, TOLERANCE_LOG_ENV
+from minipic.span_contract.env import TEST_SEED_ENV, TOLERANCE_LOG_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_ID = re.compile(r"-?sweep\d+")

@@ -88,12 +88,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine_ext.vllm_surface.added_names import OFFSET_TABLES_ATTR
-from span_contract.env import CPU_ATTN_ENV
-from span_contract.span_config import SpanConfig
+from minipic.engine_ext.vllm_surface.added_names import OFFSET_TABLES_ATTR
+from minipic.span_contract.env import CPU_ATTN_ENV
+from minipic.span_contract.span_config import SpanConfig
 
-BACKEND_PATH = "engine_ext.attention.cpu_backend.MinipicCPUAttentionBackend"
-CUDA_BACKEND_PATH = "engine_ext.attention.cuda_backend.MinipicCudaAttentionBackend"
+BACKEND_PATH = "minipic.engine_ext.attention.cpu_backend.MinipicCPUAttentionBackend"
+CUDA_BACKEND_PATH = "minipic.engine_ext.attention.cuda_backend.MinipicCudaAttentionBackend"
 # auto: C++ kernel on home-rotated keys + the key shadow for requests reading blocks off
 # their home slot. scratch / torch: every request through the shadow / the pure-torch path.
 ATTN_PATH_ENV = CPU_ATTN_ENV
@@ -137,7 +137,7 @@ def install(config: SpanConfig) -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from engine_ext.attention import unrotated_keys
+    from minipic.engine_ext.attention import unrotated_keys
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND_PATH)
@@ -172,18 +172,18 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVQuantMode,
 )
 
-from engine_ext.attention import cpu_kv_layout  # noqa: E402
-from engine_ext.attention.key_shadow.pages import KeyShadow  # noqa: E402
-from engine_ext.attention.key_shadow.pool import KeyShadowIndex, pool_cap_entries  # noqa: E402
-from engine_ext.attention.span_isolation import step_key_starts, step_positions  # noqa: E402
-from engine_ext.attention.step_plan import (  # noqa: E402
+from minipic.engine_ext.attention import cpu_kv_layout  # noqa: E402
+from minipic.engine_ext.attention.key_shadow.pages import KeyShadow  # noqa: E402
+from minipic.engine_ext.attention.key_shadow.pool import KeyShadowIndex, pool_cap_entries  # noqa: E402
+from minipic.engine_ext.attention.span_isolation import step_key_starts, step_positions  # noqa: E402
+from minipic.engine_ext.attention.step_plan import (  # noqa: E402
     HomeSlots,
     OffHomeBatch,
     RotatedFill,
     StepPlan,
     plan_step,
 )
-from kernels import offset_cos_sin_cache, paged_attention_rope_ref, unrotate  # noqa: E402
+from minipic.kernels import offset_cos_sin_cache, paged_attention_rope_ref, unrotate  # noqa: E402
 
 
 def position_free_spec(spec: AttentionSpec) -> bool:

@@ -106,7 +106,7 @@ class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
         cm = common_attn_metadata
         if not isinstance(cm.causal, bool):
             raise NotImplementedError("minipic CUSTOM backend: per-request causality")
-        from engine_ext.attention.span_isolation import step_key_starts, step_positions
+        from minipic.engine_ext.attention.span_isolation import step_key_starts, step_positions
 
         # Span isolation needs host copies of the step's lengths (one sync per step, shared by
         # all layers); the result goes to the device once.
@@ -139,7 +139,7 @@ def hole_rows(qsl_cpu: torch.Tensor, positions: torch.Tensor, block_table: torch
     """Kernel rows of a step in which some request computes several holes: one row per hole
     (``engine_ext/step_plan.gap_rows``), each with its request's table, on the table's device.
     Returns ``(query_start_loc, seq_lens, block_table, max_query_len)``."""
-    from engine_ext.attention.step_plan import gap_rows
+    from minipic.engine_ext.attention.step_plan import gap_rows
 
     row_qsl, row_lens, rows_of = gap_rows(qsl_cpu, positions)
     device = block_table.device
@@ -201,7 +201,7 @@ class MinipicCudaAttentionImpl(AttentionImpl[MinipicCudaMetadata]):
                 "(model not supported by engine_ext.attention.unrotated_keys); use the stock "
                 "backend"
             )
-        from kernels.triton_paged_attention import paged_attention_rope_triton
+        from minipic.kernels.triton_paged_attention import paged_attention_rope_triton
 
         n = attn_metadata.num_actual_tokens
         d = self.head_size

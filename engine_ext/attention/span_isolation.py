@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_ext.attention.span_segments import block_key_starts
-from engine_ext.holes import worker_positions
-from span_contract.errors import EngineIntegrationError
-from span_contract.span_config import SpanConfig, spans_opted_in
+from minipic.engine_ext.attention.span_segments import block_key_starts
+from minipic.engine_ext.holes import worker_positions
+from minipic.span_contract.errors import EngineIntegrationError
+from minipic.span_contract.span_config import SpanConfig, spans_opted_in
 
 TARGET = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata"
 _STEP = threading.local()
@@ -39,7 +39,7 @@ _STATE: dict[str, Any] = {"config": None}
 
 def install(config: SpanConfig) -> None:
     """Wrap the runner's metadata build (worker; idempotent)."""
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     _STATE["config"] = config
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_ext.attention.key_shadow.pool import KeyShadowIndex
+from minipic.engine_ext.attention.key_shadow.pool import KeyShadowIndex
 
 
 @dataclass

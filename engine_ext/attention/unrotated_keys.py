@@ -142,7 +142,7 @@ def install() -> None:
     """
     if _STATE["installed"]:
         return
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     def factory(original: Any) -> Any:
         def initialize_model(*args: Any, **kwargs: Any) -> torch.nn.Module:

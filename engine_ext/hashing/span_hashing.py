@@ -37,9 +37,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from engine_ext.vllm_surface.added_names import FULL_CHAIN_ATTR
-from span_contract.errors import EngineIntegrationError
-from span_contract.span_config import SpanConfig, spans_opted_in
+from minipic.engine_ext.vllm_surface.added_names import FULL_CHAIN_ATTR
+from minipic.span_contract.errors import EngineIntegrationError
+from minipic.span_contract.span_config import SpanConfig, spans_opted_in
 
 PDEP_TAG = ("minipic", "pdep")
 
@@ -230,7 +230,7 @@ def install(config: SpanConfig) -> None:
     ``vllm.v1.engine.core`` imported ``get_request_block_hasher`` by value, so patching only
     ``kv_cache_utils`` would silently do nothing for the engine.
     """
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     factory = hasher_factory(config)
     hashers = [p.target for p in patches.points("hash") if p.target.endswith("block_hasher")]

@@ -77,10 +77,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_ext.holes import scheduler_steps, worker_positions
-from engine_ext.vllm_surface.added_names import CACHED_RUNS_ATTR, SPAN_STORE_ATTR
-from span_contract.errors import EngineIntegrationError
-from span_contract.span_config import spans_opted_in
+from minipic.engine_ext.holes import scheduler_steps, worker_positions
+from minipic.engine_ext.vllm_surface.added_names import CACHED_RUNS_ATTR, SPAN_STORE_ATTR
+from minipic.span_contract.errors import EngineIntegrationError
+from minipic.span_contract.span_config import spans_opted_in
 
 logger = logging.getLogger("vllm.minipic.hole_lookup")
 
@@ -336,7 +336,7 @@ def install() -> None:
     """Wrap the vLLM methods listed in the module docstring: the scheduler's here, the model
     runner's in ``engine_ext/holes/worker_positions.py`` (EngineCore and workers; idempotent;
     checked against the patch table, ``engine_ext/vllm_surface/patches.py``)."""
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     kvm = "vllm.v1.core.kv_cache_manager:KVCacheManager"
     sched = "vllm.v1.core.sched.scheduler:Scheduler"

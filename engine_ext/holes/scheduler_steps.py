@@ -42,11 +42,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from engine_ext.vllm_surface.added_names import CACHED_RUNS_ATTR, HOLES_ATTR, PREFILL_STEPS_ATTR
-from span_contract.engine_utilities import HOLE_STATS_UTILITY
-from span_contract.env import HOLES_PER_STEP_ENV
-from span_contract.errors import EngineIntegrationError
-from span_contract.span_config import spans_opted_in
+from minipic.engine_ext.vllm_surface.added_names import (
+    CACHED_RUNS_ATTR,
+    HOLES_ATTR,
+    PREFILL_STEPS_ATTR,
+)
+from minipic.span_contract.engine_utilities import HOLE_STATS_UTILITY
+from minipic.span_contract.env import HOLES_PER_STEP_ENV
+from minipic.span_contract.errors import EngineIntegrationError
+from minipic.span_contract.span_config import spans_opted_in
 
 RECENT = 512  # finished prefills kept for the stats utility
 # Measurement switch: "one" restores one hole per engine step (the schedule before this module),
@@ -280,7 +284,7 @@ def install() -> None:
     (idempotent)."""
     from vllm.v1.engine.core import EngineCore
 
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     raw = os.environ.get(PER_STEP_ENV, "all").strip().lower()
     if raw not in ("all", "one"):

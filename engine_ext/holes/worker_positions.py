@@ -24,8 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_ext.vllm_surface.added_names import HOLES_ATTR, PENDING_HOLES_ATTR, STEP_HOLES_ATTR
-from span_contract.errors import EngineIntegrationError
+from minipic.engine_ext.vllm_surface.added_names import (
+    HOLES_ATTR,
+    PENDING_HOLES_ATTR,
+    STEP_HOLES_ATTR,
+)
+from minipic.span_contract.errors import EngineIntegrationError
 
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 

@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_ext.vllm_surface.added_names import PROFILE_MARK_ATTR
-from span_contract.env import PROFILE_DIR_ENV
+from minipic.engine_ext.vllm_surface.added_names import PROFILE_MARK_ATTR
+from minipic.span_contract.env import PROFILE_DIR_ENV
 
 PROFILE_ENV = PROFILE_DIR_ENV
 
 _GW = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
-_RB = "engine_ext.attention.cpu_backend"
+_RB = "minipic.engine_ext.attention.cpu_backend"
 
 # (label, "module:attribute" or "module:Class.method"). Labels name what the time is spent on;
 # the same label may time two targets that never run in one engine (stock vs minipic forward).
@@ -61,8 +61,8 @@ TARGETS: tuple[tuple[str, str], ...] = (
     ("sched.schedule", "vllm.v1.core.sched.scheduler:Scheduler.schedule"),
     ("sched.lookup", "vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks"),
     ("sched.allocate", "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots"),
-    ("holes.find_cached_runs", "engine_ext.holes.scheduler_lookup:find_cached_runs"),
-    ("holes.attach_reached_runs", "engine_ext.holes.scheduler_lookup:attach_reached_runs"),
+    ("holes.find_cached_runs", "minipic.engine_ext.holes.scheduler_lookup:find_cached_runs"),
+    ("holes.attach_reached_runs", "minipic.engine_ext.holes.scheduler_lookup:attach_reached_runs"),
     ("core.execute_model", "vllm.v1.executor.multiproc_executor:MultiprocExecutor.execute_model"),
     ("core.sample_tokens", "vllm.v1.executor.multiproc_executor:MultiprocExecutor.sample_tokens"),
     ("sched.update_from_output", "vllm.v1.core.sched.scheduler:Scheduler.update_from_output"),
@@ -81,11 +81,11 @@ TARGETS: tuple[tuple[str, str], ...] = (
     ("attn.write", f"{_RB}:MinipicCPUAttentionImpl._write"),
     ("attn.off_home", f"{_RB}:MinipicCPUAttentionImpl._attend_off_home"),
     ("attn.shadow_pages", f"{_RB}:MinipicCPUAttentionImpl._key_shadow"),
-    ("attn.shadow_pages", "engine_ext.attention.key_shadow.pages:KeyShadow.release"),
+    ("attn.shadow_pages", "minipic.engine_ext.attention.key_shadow.pages:KeyShadow.release"),
     ("attn.rotate", f"{_RB}:_rotate"),
     ("attn.rotate", f"{_RB}:rotate_by_offset"),  # a layout that moves home keys by an offset
     ("attn.move_keys", f"{_RB}:move_keys"),
-    ("attn.gather_keys", "engine_ext.attention.cpu_kv_layout:PageLayout.token_keys"),
+    ("attn.gather_keys", "minipic.engine_ext.attention.cpu_kv_layout:PageLayout.token_keys"),
     ("attn.rotate", "vllm._custom_ops:rotary_embedding"),  # queries too (model forward)
     ("attn.kernel", "vllm._custom_ops:cpu_attention_with_kv_cache"),
     ("attn.reshape_and_cache", "vllm._custom_ops:cpu_attn_reshape_and_cache"),

@@ -47,7 +47,7 @@ import logging
 from collections import Counter
 from typing import Any
 
-from engine_ext.recurrent.policy import (
+from minipic.engine_ext.recurrent.policy import (
     OVERRIDE_KEY,
     SERVER,
     CheckpointConfig,
@@ -57,12 +57,12 @@ from engine_ext.recurrent.policy import (
     parse_override,
     positions_in,
 )
-from engine_ext.vllm_surface.added_names import (
+from minipic.engine_ext.vllm_surface.added_names import (
     CHECKPOINT_PLAN_ATTR,
     CHECKPOINT_POLICY_ATTR,
     CHECKPOINT_SEEN_ATTR,
 )
-from span_contract.engine_utilities import (
+from minipic.span_contract.engine_utilities import (
     CHECKPOINT_CONFIGURE_UTILITY,
     CHECKPOINT_STATS_UTILITY,
 )
@@ -379,7 +379,7 @@ def install() -> None:
     the EngineCore, the validation hook only in the front-end."""
     from vllm.v1.engine.core import EngineCore
 
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     sched = "vllm.v1.core.sched.scheduler:Scheduler"
     mamba = "vllm.v1.core.single_type_kv_cache_manager:MambaManager"

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from span_contract.checkpoint_config import CheckpointConfig
+from minipic.span_contract.checkpoint_config import CheckpointConfig
 
 logger = logging.getLogger("minipic.ckpt")
 
@@ -109,7 +109,7 @@ class CheckpointPolicy:
     """
 
     def __init__(self, config: CheckpointConfig, block_size: int, max_model_len: int) -> None:
-        from checkpoint_planner import OverlapHistogram
+        from minipic.checkpoint_planner import OverlapHistogram
 
         if block_size < 1 or max_model_len < 1:
             raise ValueError(f"bad block_size {block_size} / max_model_len {max_model_len}")
@@ -130,7 +130,7 @@ class CheckpointPolicy:
         self.server_plan = self._plan(prior)
 
     def _plan(self, probs: np.ndarray) -> tuple[int, ...]:
-        from checkpoint_planner import plan_checkpoints
+        from minipic.checkpoint_planner import plan_checkpoints
 
         if probs.size - 1 < self.block_size:
             logger.warning("checkpoint histogram covers depths 0..%d, shorter than one recurrent "

@@ -7,6 +7,6 @@ stores opaque payloads under string keys. The vLLM KV connector that fills and r
 ``connector``.
 """
 
-from engine_ext.span_store.tiers import DirTier, Entry, RamTier, TieredStore
+from minipic.engine_ext.span_store.tiers import DirTier, Entry, RamTier, TieredStore
 
 __all__ = ["DirTier", "Entry", "RamTier", "TieredStore"]

@@ -44,11 +44,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from engine_ext.holes.scheduler_lookup import attach_span_store, full_attention_manager
-from engine_ext.span_store.keys import config_fingerprint, rank_key
-from span_contract.errors import EngineIntegrationError
-from span_contract.span_config import SpanConfig
-from span_contract.span_store_config import SpanStoreConfig
+from minipic.engine_ext.holes.scheduler_lookup import attach_span_store, full_attention_manager
+from minipic.engine_ext.span_store.keys import config_fingerprint, rank_key
+from minipic.span_contract.errors import EngineIntegrationError
+from minipic.span_contract.span_config import SpanConfig
+from minipic.span_contract.span_store_config import SpanStoreConfig
 
 logger = logging.getLogger("vllm.minipic.span_store")
 
@@ -80,7 +80,7 @@ class SpanStoreWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 def _tiers(config: SpanStoreConfig, fingerprint: str) -> list[Any]:
-    from engine_ext.span_store.tiers import DirTier
+    from minipic.engine_ext.span_store.tiers import DirTier
 
     tiers = []
     if config.dir:
@@ -105,7 +105,7 @@ def engine_weights_digest(config: SpanStoreConfig, model_config: Any) -> tuple[s
     engine never writes: a disagreement turns the store off, loudly (``weights_mismatch``).
     ``--load-format`` and the loader's options are in the fingerprint (``fingerprint_facts``):
     random weights from the same folder get other keys."""
-    from span_contract.span_store_config import weights_digest, weights_identity
+    from minipic.span_contract.span_store_config import weights_digest, weights_identity
 
     own = weights_digest(str(model_config.model), model_config.revision)
     if not own:
@@ -161,7 +161,7 @@ class MinipicSpanStore(KVConnectorBase_V1):
         self.pages = None
         self._results = SpanStoreWorkerMetadata()
         if role == KVConnectorRole.SCHEDULER:
-            from engine_ext.span_store.scheduler_side import StoreLookup
+            from minipic.engine_ext.span_store.scheduler_side import StoreLookup
 
             sched = vllm_config.scheduler_config
             chunk = (getattr(sched, "long_prefill_token_threshold", 0)
@@ -173,9 +173,9 @@ class MinipicSpanStore(KVConnectorBase_V1):
             logger.info("minipic span store: fingerprint %s, tiers %s (RAM %d MiB in the "
                         "worker)", self.fingerprint, [t.name for t in tiers], self.config.ram_mib)
         else:
-            from engine_ext.span_store.fill_queue import FillQueue
-            from engine_ext.span_store.tiers import Entry, RamTier, TieredStore
-            from engine_ext.span_store.worker_side import PageCopier
+            from minipic.engine_ext.span_store.fill_queue import FillQueue
+            from minipic.engine_ext.span_store.tiers import Entry, RamTier, TieredStore
+            from minipic.engine_ext.span_store.worker_side import PageCopier
 
             if self.ranks > 1:
                 from vllm.distributed import get_tensor_model_parallel_rank
@@ -246,14 +246,14 @@ class MinipicSpanStore(KVConnectorBase_V1):
         """Counters' increase since the last step (scheduler side; the worker reports none)."""
         if self.lookup is None:
             return None
-        from engine_ext.span_store.metrics import SpanStoreStats
+        from minipic.engine_ext.span_store.metrics import SpanStoreStats
 
         delta = self.lookup.reported.take(self.lookup.counts)
         return SpanStoreStats(data=delta) if delta else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        from engine_ext.span_store.metrics import SpanStoreStats
+        from minipic.engine_ext.span_store.metrics import SpanStoreStats
 
         return SpanStoreStats(data=dict(data or {}))
 
@@ -261,7 +261,7 @@ class MinipicSpanStore(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
                            labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
                            ) -> Any:
-        from engine_ext.span_store.metrics import SpanStorePromMetrics
+        from minipic.engine_ext.span_store.metrics import SpanStorePromMetrics
 
         return SpanStorePromMetrics(vllm_config, metric_types, labelnames,
                                     per_engine_labelvalues)

@@ -16,7 +16,7 @@ import hashlib
 
 # The config fingerprint lives with the store's settings (span_contract), where the SDK can
 # compute it too (orchestrator/span_index.py); re-exported here for the engine side.
-from span_contract.span_store_config import (
+from minipic.span_contract.span_store_config import (
     LAYOUT_VERSION,
     config_fingerprint,
     page_layout,

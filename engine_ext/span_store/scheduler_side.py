@@ -43,11 +43,11 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_ext.hashing.span_hashing import span_chained_blocks
-from engine_ext.holes.scheduler_steps import step_ranges
-from engine_ext.span_store.keys import entry_key, rank_key
-from engine_ext.span_store.metrics import StatsDelta
-from span_contract.span_config import SpanConfig, spans_opted_in
+from minipic.engine_ext.hashing.span_hashing import span_chained_blocks
+from minipic.engine_ext.holes.scheduler_steps import step_ranges
+from minipic.engine_ext.span_store.keys import entry_key, rank_key
+from minipic.engine_ext.span_store.metrics import StatsDelta
+from minipic.span_contract.span_config import SpanConfig, spans_opted_in
 
 logger = logging.getLogger("vllm.minipic.span_store")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
+from minipic.span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
 
 
 def _span_store_stats(engine_core: Any) -> dict[str, Any] | None:
@@ -26,7 +26,7 @@ def install() -> None:
     """Make the utility callable on the EngineCore (idempotent)."""
     from vllm.v1.engine.core import EngineCore
 
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     patches.add("store", {
         f"{EngineCore.__module__}:EngineCore.{SPAN_STORE_STATS_UTILITY}": _span_store_stats})

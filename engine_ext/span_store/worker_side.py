@@ -40,7 +40,7 @@ class PageCopier:
     def tier_events(self) -> dict[str, int]:
         """Increases of the persistent tiers' write counters since the last call (for
         ``/metrics``: the scheduler, which exports them, does no writes itself)."""
-        from engine_ext.span_store.metrics import WRITE_EVENTS
+        from minipic.engine_ext.span_store.metrics import WRITE_EVENTS
 
         out: dict[str, int] = {}
         for tier in self.store.tiers:
@@ -68,7 +68,7 @@ class PageCopier:
     def save(self, block_id: int, key: str, slot: int) -> bool:
         """Copy a block out (all layers) and hand it to the store; False if the store holds it
         nowhere (RAM too small, every writer's queue full or writes paused)."""
-        from engine_ext.attention.cpu_backend import home_slot_of
+        from minipic.engine_ext.attention.cpu_backend import home_slot_of
 
         home = home_slot_of(self.layers[0], block_id)
         if home is None:
@@ -109,7 +109,7 @@ class PageCopier:
 
     def filled(self, blocks: list[int], homes: list[int]) -> None:
         """Tell the attention metadata builder the home slots of freshly filled blocks."""
-        from engine_ext.attention.cpu_backend import blocks_filled
+        from minipic.engine_ext.attention.cpu_backend import blocks_filled
 
         blocks_filled(self.layers[0], blocks, homes)
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from engine_ext.vllm_surface.added_names import GUARD_ATTR
-from span_contract.errors import EngineIntegrationError
-from span_contract.span_config import spans_opted_in
+from minipic.engine_ext.vllm_surface.added_names import GUARD_ATTR
+from minipic.span_contract.errors import EngineIntegrationError
+from minipic.span_contract.span_config import spans_opted_in
 
 TARGET = "vllm.v1.worker.gpu_worker:Worker.execute_model"
 V1_RUNNER_HINT = ("vLLM's V2 model runner does not call it; minipic's launchers set "
@@ -75,8 +75,8 @@ class StepGuard:
 
 def runner_problems(runner: Any) -> list[str]:
     """Why this model runner would skip span isolation (empty: it goes through the hook)."""
-    from engine_ext.attention import span_isolation
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.attention import span_isolation
+    from minipic.engine_ext.vllm_surface import patches
 
     if runner is None:
         return ["the worker has no model runner"]
@@ -116,8 +116,8 @@ def layer_problems(vllm_config: Any) -> list[str]:
 
 def install() -> None:
     """Wrap ``Worker.execute_model`` (worker processes; idempotent; in the patch table)."""
-    from engine_ext.attention import span_isolation
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.attention import span_isolation
+    from minipic.engine_ext.vllm_surface import patches
 
     def factory(stock: Any) -> Any:
         @functools.wraps(stock)

@@ -11,7 +11,8 @@ Targets are found the way Python would find them: a module-level name re-exporte
 ``from x import name`` is followed to its definition, and a method missing from a class is looked
 up in its bases (same-module or imported by name), left to right.
 
-``python -m engine_ext.vllm_surface.patch_sources WHEEL`` prints every row that differs from the
+``python -m minipic.engine_ext.vllm_surface.patch_sources WHEEL`` prints every row that differs
+from the
 table's expectation for the wheel's version (what to update when moving to a new vLLM).
 """
 
@@ -158,7 +159,7 @@ def differences(sources: VllmSources) -> list[str]:
     """Rows of the patch table whose recorded parameters for the wheel's version differ from the
     wheel's sources (empty: the table is complete for that version). Every row is checked,
     platform-specific ones too: a CUDA wheel carries the CPU worker's sources as well."""
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     version = sources.version
     found = []
@@ -195,7 +196,8 @@ def _addition_differences(sources: VllmSources, point: Any) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m engine_ext.vllm_surface.patch_sources VLLM_WHEEL_OR_FOLDER\n"
+        print("usage: python -m minipic.engine_ext.vllm_surface.patch_sources "
+              "VLLM_WHEEL_OR_FOLDER\n"
               "  (a .whl, an unpacked sdist, or a site-packages folder holding vllm/)",
               file=sys.stderr)
         return 2

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from span_contract.env import ALLOW_VLLM_VERSION_ENV
+from minipic.span_contract.env import ALLOW_VLLM_VERSION_ENV
 
 VLLM_VERSIONS: dict[str, str] = {
     "0.32.0": "run",  # the cpu and gpu extras' pin; every test runs on it
@@ -51,15 +51,15 @@ VLLM_CHECKED = next(v for v, kind in VLLM_VERSIONS.items() if kind == "run")
 ALLOW_VERSION_ENV = ALLOW_VLLM_VERSION_ENV
 
 
-from engine_ext.vllm_surface.added_names import PATCH_MARK_ATTR, PATCH_STOCK_ATTR  # noqa: E402
-from span_contract.engine_utilities import (  # noqa: E402
+from minipic.engine_ext.vllm_surface.added_names import PATCH_MARK_ATTR, PATCH_STOCK_ATTR  # noqa: E402
+from minipic.span_contract.engine_utilities import (  # noqa: E402
     CHECKPOINT_CONFIGURE_UTILITY,
     CHECKPOINT_STATS_UTILITY,
     HOLE_STATS_UTILITY,
     KEY_SHADOW_STATS_RPC,
     SPAN_STORE_STATS_UTILITY,
 )
-from span_contract.errors import EngineIntegrationError  # noqa: E402  (re-exported)
+from minipic.span_contract.errors import EngineIntegrationError  # noqa: E402  (re-exported)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from integrations.langchain.runnable import SpanRAGRunnable, documents_to_spans
-from integrations.langchain.wiki_retriever import WikiRetriever
+from minipic.integrations.langchain.runnable import SpanRAGRunnable, documents_to_spans
+from minipic.integrations.langchain.wiki_retriever import WikiRetriever
 
 __all__ = ["SpanRAGRunnable", "WikiRetriever", "documents_to_spans"]

@@ -33,9 +33,9 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.prompt_values import ChatPromptValueConcrete, PromptValue, StringPromptValue
 from typing_extensions import TypedDict  # pydantic needs this one for schemas on Python < 3.12
 
-from orchestrator.errors import BadInputError
-from orchestrator.results import Answer
-from prompt_builder import Span
+from minipic.orchestrator.errors import BadInputError
+from minipic.orchestrator.results import Answer
+from minipic.prompt_builder import Span
 
 QUESTION_KEYS = ("question", "query", "input")
 Output = Literal["text", "message", "answer"]

@@ -43,7 +43,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import ConfigDict, Field, field_validator
 
-from integrations.langchain.io import (
+from minipic.integrations.langchain.io import (
     QUESTION_KEYS,
     ChainInput,
     Output,
@@ -58,10 +58,10 @@ from integrations.langchain.io import (
     render_prompt,
     shape,
 )
-from integrations.langchain.tracing import LLMRun
-from orchestrator.client import Orchestrator, Question
-from orchestrator.errors import BadInputError, MinipicError
-from orchestrator.loop_bridge import (
+from minipic.integrations.langchain.tracing import LLMRun
+from minipic.orchestrator.client import Orchestrator, Question
+from minipic.orchestrator.errors import BadInputError, MinipicError
+from minipic.orchestrator.loop_bridge import (
     async_side,
     check_orchestrator,
     iterate_async,
@@ -69,9 +69,9 @@ from orchestrator.loop_bridge import (
     run_async,
     run_sync,
 )
-from orchestrator.results import Answer
-from orchestrator.streaming import stream_answer
-from prompt_builder import Span
+from minipic.orchestrator.results import Answer
+from minipic.orchestrator.streaming import stream_answer
+from minipic.prompt_builder import Span
 
 __all__ = ["QUESTION_KEYS", "SpanRAGRunnable", "document_to_span", "documents_to_spans",
            "no_documents", "parse_input", "question_of"]

@@ -22,8 +22,8 @@ from langchain_core.callbacks import (
 from langchain_core.messages import AIMessageChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, LLMResult
 
-from integrations.langchain.io import to_message, usage_metadata
-from orchestrator.results import Answer
+from minipic.integrations.langchain.io import to_message, usage_metadata
+from minipic.orchestrator.results import Answer
 
 RUN_NAME = "minipic"
 

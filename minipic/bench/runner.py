@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from minipic.bench.workloads import RagItem, agent_workload, is_correct, rag_workload
-from orchestrator.corpus import load_qa_items
+from minipic.orchestrator.corpus import load_qa_items
 
 PHASES = ("throughput", "ttft", "agent", "accuracy")
 # Tokens generated per answer in the throughput and accuracy phases (greedy, stops at EOS): a
@@ -65,7 +65,7 @@ def _questions(items: Sequence[RagItem], mode: str) -> list[dict[str, Any]]:
 
 
 def _answers(results: Sequence[Any]) -> tuple[list[Any], int]:
-    from orchestrator.errors import MinipicError
+    from minipic.orchestrator.errors import MinipicError
 
     ok = [r for r in results if not isinstance(r, MinipicError)]
     return ok, len(results) - len(ok)
@@ -99,7 +99,7 @@ class Bench:
         return 2 + sum(per_phase[p] for p in phases)  # 2: the engine starts
 
     async def start(self, max_model_len: int) -> None:
-        from orchestrator import Orchestrator
+        from minipic.orchestrator import Orchestrator
 
         self.progress("starting stock vLLM (plugin off)")
         self.stock = Orchestrator.embedded(pic=False, max_model_len=max_model_len)
@@ -202,7 +202,7 @@ class Bench:
 
     def _long_items(self, n_items: int, n_spans: int, span_tokens: int) -> list[RagItem]:
         """Questions over ``n_spans`` passages of about ``span_tokens`` each (shared pool)."""
-        from orchestrator.corpus import load_passages
+        from minipic.orchestrator.corpus import load_passages
 
         rng = random.Random(f"{self.seed}:{n_spans}:{span_tokens}")
         passages = [p for p in load_passages() if self.count(p.as_document) >= span_tokens]

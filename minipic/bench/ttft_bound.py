@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine_ext.profiling.step_profile import Event, exclusive_by_path, in_window
+from minipic.engine_ext.profiling.step_profile import Event, exclusive_by_path, in_window
 
 # The goals a cached final is held to: close to its bound, and far ahead of stock.
 RATIO_GOAL = 0.9  # speed-up within 10% of the measured bound ...

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from orchestrator.corpus import Passage, WikiCorpus, load_passages, load_qa_items
+from minipic.orchestrator.corpus import Passage, WikiCorpus, load_passages, load_qa_items
 
 CLIENT_SYSTEM_PROMPTS = (
     "You are a careful research assistant. Use only the documents below to answer. "

@@ -27,7 +27,7 @@ from typing import Any
 from minipic.eval.datasets import EvalItem, builtin_items, load_jsonl
 from minipic.eval.report import evaluate, table, write
 from minipic.eval.runner import DEFAULT_MODES
-from span_contract.errors import BadInputError
+from minipic.span_contract.errors import BadInputError
 
 __all__ = ["ModelNotCheckableError", "add_subparser", "run", "served_model_dir", "untuned_items"]
 
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     items = kept
     print(f"minipic eval: {len(items)} items, modes {modes}, "
           f"{'server ' + args.url if args.url else 'embedded engine'}")
-    from orchestrator import Orchestrator
+    from minipic.orchestrator import Orchestrator
 
     if args.reference_model and args.url:
         print("minipic eval: --reference-model needs the embedded engine (no --url)")
@@ -163,8 +163,8 @@ def served_model_dir(url: str, timeout: float = 10.0) -> Path:
 def untuned_items(args: argparse.Namespace, items: list[EvalItem]) -> list[EvalItem] | None:
     """``items`` minus those the evaluated model (embedded, or the one ``--url`` serves) was
     tuned on, saying how many were dropped; None, after saying why, when eval must stop."""
+    from minipic.span_contract.models import resolve_model
     from minipic.tune.data import without_tuned
-    from span_contract.models import resolve_model
 
     model_dir: str | Path | None = None
     if args.url:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import BadInputError
+from minipic.orchestrator.errors import BadInputError
 
 BIGBENCH_VERSION = "1.0.0"
 BIGBENCH_URL = ("https://files.pythonhosted.org/packages/95/f8/"
@@ -118,7 +118,7 @@ def _with_distractors(rng: random.Random, corpus: Any, question: str, gold: str,
 
 def fanoutqa_items(rng: random.Random, corpus: Any, passages: tuple[int, int],
                    max_words: int) -> list[EvalItem]:
-    from orchestrator.corpus import load_passages, load_qa_items
+    from minipic.orchestrator.corpus import load_passages, load_qa_items
 
     by_title = {p.title: p for p in load_passages()}
     out = []
@@ -136,7 +136,7 @@ def fanoutqa_items(rng: random.Random, corpus: Any, passages: tuple[int, int],
 
 def cpkc_path(cache: Path | None = None) -> Path:
     """BIG-bench's contextual_parametric_knowledge_conflicts task file (fetched once)."""
-    from span_contract.models import cache_root, exclusive, sha256_of
+    from minipic.span_contract.models import cache_root, exclusive, sha256_of
 
     root = (cache or cache_root()) / "bigbench" / BIGBENCH_VERSION
     target = root / "contextual_parametric_knowledge_conflicts.json"
@@ -192,7 +192,7 @@ def cpkc_items(rng: random.Random, corpus: Any, n: int, passages: tuple[int, int
 def builtin_items(name: str, n: int, seed: int, passages: tuple[int, int] = (3, 10),
                   max_words: int = 80) -> list[EvalItem]:
     """``name``: builtin (fanoutqa, then cpkc up to n), fanoutqa, or cpkc."""
-    from orchestrator.corpus import default_corpus
+    from minipic.orchestrator.corpus import default_corpus
 
     rng = random.Random(seed)
     corpus = default_corpus()

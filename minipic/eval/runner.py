@@ -48,15 +48,15 @@ def parse_mode(spec: str) -> str:
     """A ``--modes`` entry in its canonical text form (``prompt_builder.parse_mode``:
     ``block_attention``, ``boundary_recompute@63``, ``selective@0.15``); ``ValueError`` with
     the reason otherwise."""
-    from prompt_builder import parse_mode as parse
+    from minipic.prompt_builder import parse_mode as parse
 
     return str(parse(spec))
 
 
 def _build(orc: Any, item: EvalItem, spec: str, max_tokens: int) -> Any:
     """The item's prompt in ``spec``: ``Orchestrator.build``'s call, plus the head length."""
-    from orchestrator.errors import from_build_error
-    from prompt_builder import PromptBuildError
+    from minipic.orchestrator.errors import from_build_error
+    from minipic.prompt_builder import PromptBuildError
 
     try:
         return orc.builder.build(question=item.question, system=item.system,
@@ -69,9 +69,9 @@ def _build(orc: Any, item: EvalItem, spec: str, max_tokens: int) -> Any:
 async def _answer(orc: Any, item: EvalItem, prompt: Any, spec: str, max_tokens: int) -> Any:
     """Free-running greedy answer through the SDK's scheduler (spans prefilled, then the
     final); each mode warms its own spans (its own cache salt)."""
-    from orchestrator.backends import Sampling
-    from orchestrator.errors import MinipicError
-    from orchestrator.scheduler import Job
+    from minipic.orchestrator.backends import Sampling
+    from minipic.orchestrator.errors import MinipicError
+    from minipic.orchestrator.scheduler import Job
 
     job = Job(0, item.question, prompt, Sampling(max_tokens=max_tokens), f"eval-{spec}")
     (result,) = await orc.scheduler.run([job])

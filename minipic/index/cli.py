@@ -22,8 +22,8 @@ from minipic.index.corpus import (
 )
 from minipic.index.engine_probe import EmbeddedProbe, HttpProbe, Probe
 from minipic.index.runner import IndexReport, finish_report, index_documents
-from span_contract.env import INDEX_CHILD_ENV
-from span_contract.span_store_config import default_store_dir
+from minipic.span_contract.env import INDEX_CHILD_ENV
+from minipic.span_contract.span_store_config import default_store_dir
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -136,7 +136,7 @@ def _supervised(args: argparse.Namespace) -> int:
     ``minipic serve`` (``serving.supervise``), the work runs in a session of its own, watched by
     a guard that stops the whole group once this process is gone, however it ended.
     """
-    from serving.supervise import supervise
+    from minipic.serving.supervise import supervise
 
     argv = [sys.executable, "-m", "minipic.cli", *args.argv]
     return supervise(argv, {**os.environ, CHILD_ENV: "1"})
@@ -146,14 +146,14 @@ def make_store_root(store: Path) -> None:
     """Create the store folder with the modes the engine's store gives its own folders (0700,
     whatever the umask): ``minipic index`` often creates it before any server does, and a
     0755 root would let other local users list which documents are stored."""
-    from engine_ext.span_store.tiers.files import Modes, make_dir
+    from minipic.engine_ext.span_store.tiers.files import Modes, make_dir
 
     make_dir(store, Modes.for_access(False))
 
 
 async def _run(args: argparse.Namespace, docs: list[Document], console: Console
                ) -> IndexReport:
-    from orchestrator import MinipicError, Orchestrator
+    from minipic.orchestrator import MinipicError, Orchestrator
 
     store = Path(args.store).expanduser().resolve() if args.store else None
     options = {"max_in_flight": max(64, args.batch), "max_prefills_in_flight": args.batch}
@@ -171,7 +171,7 @@ async def _run(args: argparse.Namespace, docs: list[Document], console: Console
                               "--store DIR (the server's --span-store)")
         probe: Probe = HttpProbe(orc, store)
     else:
-        from span_contract.span_store_config import SpanStoreConfig
+        from minipic.span_contract.span_store_config import SpanStoreConfig
 
         store = store or default_store_dir()
         make_store_root(store)

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.span_index import document_digest
-from span_contract.errors import BadInputError
+from minipic.orchestrator.span_index import document_digest
+from minipic.span_contract.errors import BadInputError
 
 WIKI = "wiki"
 TEXT_SUFFIXES = (".txt", ".md")
@@ -51,7 +51,7 @@ def _doc(text: str, doc_id: str | None) -> Document:
 
 
 def _wiki_documents() -> list[Document]:
-    from orchestrator.corpus import CorpusUnavailableError, load_passages
+    from minipic.orchestrator.corpus import CorpusUnavailableError, load_passages
 
     try:
         passages = load_passages()

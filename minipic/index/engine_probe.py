@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from span_contract.engine_utilities import INDEX_FLUSH_RPC, SPAN_STORE_STATS_UTILITY
+from minipic.span_contract.engine_utilities import INDEX_FLUSH_RPC, SPAN_STORE_STATS_UTILITY
 
 if TYPE_CHECKING:
-    from orchestrator import Orchestrator
+    from minipic.orchestrator import Orchestrator
 
 DURABLE_TIMEOUT_S = 120.0
 
@@ -28,7 +28,7 @@ class IndexWorkerExtension:
     """
 
     def minipic_index_flush(self, timeout_s: float) -> dict[str, Any]:  # INDEX_FLUSH_RPC
-        from engine_ext.span_store.worker_side import flush_worker_store
+        from minipic.engine_ext.span_store.worker_side import flush_worker_store
 
         return flush_worker_store(timeout_s)
 
@@ -94,7 +94,7 @@ class HttpProbe(Probe):
     async def stats(self) -> dict[str, Any]:
         import httpx
 
-        from orchestrator.http_backend import CONFIG_PATH
+        from minipic.orchestrator.http_backend import CONFIG_PATH
 
         async with httpx.AsyncClient(base_url=self.base_url, timeout=30,
                                      headers=self.headers) as client:
@@ -128,7 +128,7 @@ class HttpProbe(Probe):
 def store_usage(store_dir: Path) -> tuple[int, int]:
     """``(entries, bytes)`` of the span-store entry files in a directory (temp files and the
     manifest excluded; not verified)."""
-    from engine_ext.span_store.tiers.format import SUFFIX, TEMP_PREFIX
+    from minipic.engine_ext.span_store.tiers.format import SUFFIX, TEMP_PREFIX
 
     entries = size = 0
     try:
@@ -154,7 +154,7 @@ def store_usage(store_dir: Path) -> tuple[int, int]:
 
 def block_payload_bytes(store_dir: Path) -> int | None:
     """KV bytes of one stored block (an entry's payload length, from its header)."""
-    from engine_ext.span_store.tiers.format import SUFFIX, payload_length
+    from minipic.engine_ext.span_store.tiers.format import SUFFIX, payload_length
 
     for shard in sorted(store_dir.glob("??")):
         for path in shard.glob(f"*{SUFFIX}"):

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from minipic.index.corpus import Document
 from minipic.index.engine_probe import block_payload_bytes, store_usage
-from orchestrator.span_index import ManifestRecord, read_manifest, salt_digest
+from minipic.orchestrator.span_index import ManifestRecord, read_manifest, salt_digest
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from minipic.index.engine_probe import Probe
-    from orchestrator import Orchestrator
+    from minipic.orchestrator import Orchestrator
 
 # a batch's blocks stay below the store writer's queue (256 entries): a full queue drops saves
 MAX_BATCH_BLOCKS = 128
@@ -66,7 +66,7 @@ class _Prepared:
 
 def _prepare(orc: Orchestrator, doc: Document, mode: str) -> _Prepared | str:
     """The document laid out as the SDK lays it out, or why it cannot be a span."""
-    from orchestrator.errors import MinipicError
+    from minipic.orchestrator.errors import MinipicError
 
     try:
         prompt = orc.build("?", [doc.text], None, mode, max_tokens=1)
@@ -110,7 +110,7 @@ async def index_documents(
 ) -> IndexReport:
     """Prefill the documents' spans into the store, batch by batch, recording each finished
     batch in the manifest. Fills ``report`` as it goes (also when interrupted)."""
-    from orchestrator.span_index import append_records
+    from minipic.orchestrator.span_index import append_records
 
     await probe.counts()  # learns the fingerprint
     fingerprint = report.fingerprint = probe.fingerprint
@@ -170,7 +170,7 @@ def _plain_ids(prepared: _Prepared, orc: Orchestrator) -> list[int]:
 async def _baseline(orc: Orchestrator, prompts: list[list[int]], batch: int) -> float | None:
     """The engine's plain prefill rate on the same documents, in the same batches, under a
     fresh salt (nothing cached): what indexing costs beyond computing the KV."""
-    from orchestrator.backends import Sampling
+    from minipic.orchestrator.backends import Sampling
 
     salt = f"minipic-index-baseline-{uuid.uuid4().hex}"
     sampling = Sampling(max_tokens=1)

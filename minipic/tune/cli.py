@@ -101,7 +101,7 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from span_contract.errors import BadInputError
+    from minipic.span_contract.errors import BadInputError
 
     for name in ("n", "batch", "lora_rank", "max_tokens", "save_every"):
         if getattr(args, name) < 1:
@@ -138,10 +138,10 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
     import torch
     from tqdm import tqdm
 
+    from minipic.span_contract.errors import BadInputError
+    from minipic.span_contract.models import resolve_model
     from minipic.tune import data as tune_data
     from minipic.tune import report, trainer
-    from span_contract.errors import BadInputError
-    from span_contract.models import resolve_model
 
     started = time.perf_counter()
     if args.threads:
@@ -227,8 +227,8 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
 
 
 def _builder(model_dir: str, settings: Any) -> Any:
-    from prompt_builder import PromptBuilder
-    from span_contract.special_tokens import span_config_for_model
+    from minipic.prompt_builder import PromptBuilder
+    from minipic.span_contract.special_tokens import span_config_for_model
 
     span = span_config_for_model(model_dir, settings.block_size)
     return PromptBuilder.from_pretrained(model_dir, block_size=settings.block_size,

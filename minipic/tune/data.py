@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from minipic.eval.datasets import EvalItem, builtin_items, cpkc_items, load_jsonl
-from span_contract.errors import BadInputError
+from minipic.span_contract.errors import BadInputError
 
 # what `minipic eval` scores by default: never tuned on
 EVAL_DEFAULT = {"name": "builtin", "n": 300, "seed": 0, "passages": (3, 10), "max_words": 80}
@@ -66,7 +66,7 @@ def load(data: str, n: int, seed: int, passages: tuple[int, int], max_words: int
     if data not in ("builtin", "cpkc"):
         raise BadInputError(f"--data {data!r}: builtin (BIG-bench knowledge conflicts) or a "
                             f".jsonl of {{question, documents, answer?, system?}}")
-    from orchestrator.corpus import default_corpus
+    from minipic.orchestrator.corpus import default_corpus
 
     # eval's default set, and the same draw with this run's passage settings (the draw of
     # questions depends on them): neither is tuned on

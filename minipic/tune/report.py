@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from minipic.eval import metrics
+from minipic.span_contract.errors import BadInputError
 from minipic.tune import objective
-from span_contract.errors import BadInputError
 
 ROWS = ("base_block", "tuned_block", "tuned_full")
 

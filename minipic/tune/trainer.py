@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from minipic.span_contract.errors import BadInputError
 from minipic.tune import objective
-from span_contract.errors import BadInputError
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("lora", "full")

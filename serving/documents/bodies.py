@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from orchestrator.errors import BadInputError
-from prompt_builder import BudgetPolicy, InvalidInputError, Mode, parse_mode
-from span_contract.env import MAX_BODY_MIB_ENV, MAX_DOCUMENT_CHARS_ENV, MAX_DOCUMENTS_ENV
+from minipic.orchestrator.errors import BadInputError
+from minipic.prompt_builder import BudgetPolicy, InvalidInputError, Mode, parse_mode
+from minipic.span_contract.env import MAX_BODY_MIB_ENV, MAX_DOCUMENT_CHARS_ENV, MAX_DOCUMENTS_ENV
 
 Route = Literal["chat", "completions"]
 ROUTES: dict[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}

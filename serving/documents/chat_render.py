@@ -33,7 +33,7 @@ def _with_layout(result: Any, ids: list[int]) -> Any:
 
 def install() -> None:
     """Wrap the chat route's render step (API-server process; idempotent)."""
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     def factory(stock: Any) -> Any:
         @functools.wraps(stock)

@@ -26,10 +26,10 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from orchestrator.errors import MinipicError
-from serving.body_limit import BodyTooLarge, read_body, replay, send_error, send_too_large
-from serving.documents import chat_render
-from serving.documents.bodies import (
+from minipic.orchestrator.errors import MinipicError
+from minipic.serving.body_limit import BodyTooLarge, read_body, replay, send_error, send_too_large
+from minipic.serving.documents import chat_render
+from minipic.serving.documents.bodies import (
     DOCUMENTS_KEY,
     MINIPIC_KEY,
     ROUTES,
@@ -38,7 +38,7 @@ from serving.documents.bodies import (
     parse,
     wants_documents,
 )
-from span_contract.span_config import SPANS_OPT_IN_KEY
+from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
 logger = logging.getLogger("minipic.documents")
 

@@ -22,14 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator import Orchestrator
-from orchestrator.backends import BackendInfo
-from orchestrator.embedded_backend import EmbeddedBackend
-from orchestrator.errors import BadInputError, MinipicError, from_build_error
-from orchestrator.kv_usage import KVUsageMonitor
-from prompt_builder import BuiltPrompt, PromptBuilder, PromptBuildError
-from serving.documents.bodies import DocumentsRequest
-from span_contract.span_config import SpanConfig
+from minipic.orchestrator import Orchestrator
+from minipic.orchestrator.backends import BackendInfo
+from minipic.orchestrator.embedded_backend import EmbeddedBackend
+from minipic.orchestrator.errors import BadInputError, MinipicError, from_build_error
+from minipic.orchestrator.kv_usage import KVUsageMonitor
+from minipic.prompt_builder import BuiltPrompt, PromptBuilder, PromptBuildError
+from minipic.serving.documents.bodies import DocumentsRequest
+from minipic.span_contract.span_config import SpanConfig
 
 logger = logging.getLogger("minipic.documents")
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint_planner import (
+from minipic.checkpoint_planner import (
     METHODS,
     OverlapHistogram,
     expected_recompute,
@@ -29,7 +29,7 @@ from checkpoint_planner import (
     suboptimality_bound,
     tv_distance,
 )
-from checkpoint_planner import cli as plan_cli
+from minipic.checkpoint_planner import cli as plan_cli
 
 pytestmark = pytest.mark.fast
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from span_contract import cpu_runtime
-from span_contract.cpu_runtime import PRELOAD_ENV, plan, preload_env
+from minipic.span_contract import cpu_runtime
+from minipic.span_contract.cpu_runtime import PRELOAD_ENV, plan, preload_env
 
 pytestmark = pytest.mark.shares("tiny_stock")
 
@@ -79,7 +79,7 @@ def test_a_users_tcmalloc_is_kept(both: Path) -> None:
 def test_absent_libraries_one_log_line_each_no_failure(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     empty = _libs(tmp_path / "empty")
-    with caplog.at_level(logging.WARNING, logger="span_contract.cpu_runtime"):
+    with caplog.at_level(logging.WARNING, logger="minipic.span_contract.cpu_runtime"):
         for _ in range(3):  # three engine starts in one process
             env = preload_env({"LD_PRELOAD": "/opt/libfoo.so"}, dirs=[empty], machine="x86_64")
             assert env == {"LD_PRELOAD": "/opt/libfoo.so"}
@@ -92,7 +92,7 @@ def test_absent_libraries_one_log_line_each_no_failure(
 @pytest.mark.fast
 def test_only_tcmalloc_present(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     lib = _libs(tmp_path / "lib", "libtcmalloc_minimal.so.4")
-    with caplog.at_level(logging.WARNING, logger="span_contract.cpu_runtime"):
+    with caplog.at_level(logging.WARNING, logger="minipic.span_contract.cpu_runtime"):
         env = preload_env({}, dirs=[lib], machine="x86_64")
     assert env == {"LD_PRELOAD": f"{lib}/libtcmalloc_minimal.so.4"}
     assert [r.getMessage() for r in caplog.records] == [
@@ -109,7 +109,7 @@ def test_first_folder_wins(tmp_path: Path, both: Path) -> None:
 
 @pytest.mark.fast
 def test_intel_openmp_is_x86_only(both: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="span_contract.cpu_runtime"):
+    with caplog.at_level(logging.WARNING, logger="minipic.span_contract.cpu_runtime"):
         env = preload_env({}, dirs=[both], machine="aarch64")
     assert env == {"LD_PRELOAD": f"{both}/libtcmalloc_minimal.so.4"}
     assert caplog.records == []  # nothing to install there: no line
@@ -141,8 +141,8 @@ def test_plugin_env_and_serve_hand_it_on(monkeypatch: pytest.MonkeyPatch, both: 
     (``build_llm``, ``EmbeddedBackend.start``, the bench) sets it for the engine's construction,
     ``minipic serve`` passes it in the server's environment."""
     from minipic import serve
-    from span_contract import engine_config
-    from span_contract.engine_config import EngineSettings
+    from minipic.span_contract import engine_config
+    from minipic.span_contract.engine_config import EngineSettings
 
     monkeypatch.setattr(cpu_runtime, "library_dirs", lambda: [both])
     monkeypatch.setattr(engine_config, "_is_cpu", lambda: True)
@@ -179,7 +179,7 @@ def test_engine_processes_have_the_libraries_mapped(engines) -> None:
     ``LD_PRELOAD`` is as it was (vLLM's edit of it is undone after the construction)."""
     import psutil
 
-    from span_contract.engine_config import EngineSettings
+    from minipic.span_contract.engine_config import EngineSettings
 
     wanted = {Path(p).name for p in
               EngineSettings(pic=False).plugin_env().get("LD_PRELOAD", "").split(":") if p}

@@ -81,7 +81,7 @@ SLOW_TEARDOWN = textwrap.dedent("""
 
     import psutil
 
-    from orchestrator import SyncOrchestrator
+    from minipic.orchestrator import SyncOrchestrator
 
     def main() -> None:
         orc = SyncOrchestrator.embedded("tiny-llama")

@@ -44,7 +44,7 @@ DEMO_NOISE = [
     ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD. For best "
      "performance, please follow the section `set LD_PRELOAD` in https://docs.vllm.ai/..."),
     ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD. For best performance"),
-    ("span_contract.cpu_runtime", "CPU runtime: tcmalloc: not found (Debian/Ubuntu package "
+    ("minipic.span_contract.cpu_runtime", "CPU runtime: tcmalloc: not found (Debian/Ubuntu package "
      "libtcmalloc-minimal4; ...); the engine runs without it"),
     ("vllm.triton_utils.importing",
      "Triton is installed, but doesn't include CPU backend. Disabling Triton."),

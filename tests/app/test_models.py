@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from span_contract import models
-from span_contract.env import CACHE_DIR_ENV
+from minipic.span_contract import models
+from minipic.span_contract.env import CACHE_DIR_ENV
 
 pytestmark = pytest.mark.fast
 

@@ -33,7 +33,7 @@ import pytest
 
 from minipic.cli import main
 from minipic.index import DEFAULT_TITLE_FORMAT, CorpusError, load_corpus
-from orchestrator.span_index import (
+from minipic.orchestrator.span_index import (
     MANIFEST_NAME,
     ManifestRecord,
     append_records,
@@ -41,8 +41,8 @@ from orchestrator.span_index import (
     salt_digest,
     stored_warm_keys,
 )
-from orchestrator.warmth import WarmthRegistry
-from span_contract.env import TEST_SEED_ENV
+from minipic.orchestrator.warmth import WarmthRegistry
+from minipic.span_contract.env import TEST_SEED_ENV
 
 WORDS = ("river stone cloud ember quartz lumen harbor violet cedar orbit nimbus falcon meadow "
          "tundra copper saffron glacier willow basalt comet lantern marsh pepper").split()
@@ -130,7 +130,7 @@ def test_index_creates_the_store_with_the_engines_modes(tmp_path) -> None:
     import os
     import stat
 
-    from engine_ext.span_store.tiers import DirTier
+    from minipic.engine_ext.span_store.tiers import DirTier
     from minipic.index.cli import make_store_root
 
     old = os.umask(0o022)
@@ -202,7 +202,7 @@ def _index_cmd(corpus: Path, store: Path, *extra: str) -> list[str]:
 
 def _verify_all(store: Path, fingerprint: str) -> tuple[int, list[str]]:
     """Every entry file read through the store's own reader: (entries, those that failed)."""
-    from engine_ext.span_store.tiers import DirTier
+    from minipic.engine_ext.span_store.tiers import DirTier
 
     tier = DirTier(store, 8 << 30, fingerprint, "disk")
     keys = list(tier.keys())
@@ -344,7 +344,7 @@ def _off_reference(ref, prompt, token_ids: list[int]) -> list[tuple[int, float]]
 
 
 def _store_tokens(orc) -> int:
-    from span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
+    from minipic.span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
 
     engine = orc.aio.backend.engine
     stats = orc.submit(engine.engine_core.call_utility_async(SPAN_STORE_STATS_UTILITY)).result()
@@ -354,8 +354,8 @@ def _store_tokens(orc) -> int:
 
 @pytest.mark.engine
 def test_fresh_orchestrator_sends_no_prefill_for_indexed_spans(indexed: Indexed) -> None:
-    from orchestrator import SyncOrchestrator
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.orchestrator import SyncOrchestrator
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     rng = random.Random(indexed.seed)
     docs = [d.text for d in rng.sample(load_corpus(str(indexed.corpus)), 4)]

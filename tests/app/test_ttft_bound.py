@@ -14,10 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_ext.attention.cpu_kv_layout import PageLayout, _permutation
-from engine_ext.profiling import step_profile
-from engine_ext.profiling.step_profile import Event, exclusive_by_path, in_window, inclusive_by_path
 from minipic.bench import ttft_bound as tb
+from minipic.engine_ext.attention.cpu_kv_layout import PageLayout, _permutation
+from minipic.engine_ext.profiling import step_profile
+from minipic.engine_ext.profiling.step_profile import (
+    Event,
+    exclusive_by_path,
+    in_window,
+    inclusive_by_path,
+)
 
 pytestmark = pytest.mark.fast
 

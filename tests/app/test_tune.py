@@ -123,9 +123,9 @@ def test_a_crashed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path: 
     with the plain-prompt term on. Only the tuned weights move: the base the student learns from
     stays the untouched model."""
     from minipic.eval.datasets import EvalItem
+    from minipic.span_contract.models import resolve_model
     from minipic.tune import trainer
     from minipic.tune.cli import _builder
-    from span_contract.models import resolve_model
 
     torch.set_num_threads(1)
     model_dir = resolve_model("tiny-llama")
@@ -241,9 +241,9 @@ def test_items_too_long_to_lay_out_are_skipped_once_over_many_epochs_and_on_resu
     import shutil
 
     from minipic.eval.datasets import EvalItem
+    from minipic.span_contract.models import resolve_model
     from minipic.tune import trainer
     from minipic.tune.cli import _builder
-    from span_contract.models import resolve_model
 
     torch.set_num_threads(1)
     rng = random.Random(seed)
@@ -302,7 +302,7 @@ def test_items_too_long_to_lay_out_are_skipped_once_over_many_epochs_and_on_resu
 def _bf16_tiny_llama() -> str:
     """The tiny Llama saved in bfloat16, as SmolLM2 is: tuning in float32 then rounds the
     merged weights when they are saved (the float32 tiny-llama would not exercise the cast)."""
-    from span_contract.models import tiny_llama_dir
+    from minipic.span_contract.models import tiny_llama_dir
 
     return str(tiny_llama_dir(dtype="bfloat16"))
 

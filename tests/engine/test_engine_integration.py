@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.vllm_surface.patches import PATCH_POINTS, VLLM_CHECKED, table
-from span_contract.env import ALLOW_VLLM_VERSION_ENV
-from span_contract.span_config import SpanConfig
+from minipic.engine_ext.vllm_surface.patches import PATCH_POINTS, VLLM_CHECKED, table
+from minipic.span_contract.env import ALLOW_VLLM_VERSION_ENV
+from minipic.span_contract.span_config import SpanConfig
 
 pytestmark = pytest.mark.fast
 
@@ -81,7 +81,7 @@ def test_other_vllm_version_stops_plugin_load_unless_allowed(tmp_path: Path) -> 
 def test_engine_refuses_to_start_on_incompatible_vllm(tmp_path: Path) -> None:
     """A real engine start (tiny model): it fails with the table's message, it does not run."""
     body = """
-    from span_contract.engine_config import EngineSettings, build_llm
+    from minipic.span_contract.engine_config import EngineSettings, build_llm
 
     if __name__ == "__main__":
         llm = build_llm(EngineSettings(model="tiny-llama", max_model_len=512))
@@ -116,9 +116,9 @@ def _fake_vllm_config(additional: dict, enforce_eager: bool):
 def test_span_config_must_travel_in_vllm_config() -> None:
     """vLLM's compile cache keys on its config: the span config the plugin runs must be in it
     (compiled engines refuse to start without it), and must be the same one."""
-    from engine_ext.hashing.span_hashing import check_supported
-    from span_contract.engine_config import EngineSettings
-    from span_contract.errors import EngineIntegrationError
+    from minipic.engine_ext.hashing.span_hashing import check_supported
+    from minipic.span_contract.engine_config import EngineSettings
+    from minipic.span_contract.errors import EngineIntegrationError
 
     settings = EngineSettings(model="tiny-llama", span_config=CONFIG).resolved()
     extra = settings.additional_config()
@@ -141,7 +141,7 @@ def test_span_hashing_still_refuses_hybrid_models(tmp_path: Path) -> None:
     """A recurrent state depends on the whole prefix: span hashing (and hits past misses) on a
     hybrid model would be false hits, so the engine refuses to start with it."""
     body = """
-    from span_contract.engine_config import EngineSettings, build_llm
+    from minipic.span_contract.engine_config import EngineSettings, build_llm
 
     if __name__ == "__main__":
         build_llm(EngineSettings(model="tiny-qwen3-next", dtype="bfloat16", max_model_len=1024))

@@ -22,8 +22,8 @@ import torch
 from support.cpu_attention import CpuAttention, neox_rope
 from support.tolerances import check_close
 
-from engine_ext.holes.scheduler_steps import plan_holes
-from engine_ext.vllm_surface.added_names import CACHED_RUNS_ATTR
+from minipic.engine_ext.holes.scheduler_steps import plan_holes
+from minipic.engine_ext.vllm_surface.added_names import CACHED_RUNS_ATTR
 
 pytestmark = pytest.mark.fast
 
@@ -98,7 +98,7 @@ def _holed_scenario(attend, gen: torch.Generator, tol: float, what: str) -> None
     """Run the two steps through ``attend(query, key, value, qsl, seq_lens, table, slots,
     positions, key_start)`` (``positions`` / ``key_start`` None in step 1) and compare step 2
     with the per-hole dense reference."""
-    from kernels import dense_attention_ref
+    from minipic.kernels import dense_attention_ref
 
     rope = neox_rope(HEAD, torch.float32)
     # step 1: S (64), T (32, its own request), X (20); all contiguous from position 0
@@ -149,7 +149,7 @@ def _holed_scenario(attend, gen: torch.Generator, tol: float, what: str) -> None
 @pytest.mark.parametrize("path", ["auto", "scratch", "torch"])
 def test_cpu_backend_computes_three_holes_in_one_step(path: str, seed: int,
                                                       monkeypatch) -> None:
-    from engine_ext.attention import cpu_backend as rab
+    from minipic.engine_ext.attention import cpu_backend as rab
 
     attn = CpuAttention(path, torch.float32, neox_rope(HEAD, torch.float32),
                         rab.KeyShadowIndex(), monkeypatch, heads=HEADS, kv_heads=KV_HEADS,
@@ -175,8 +175,8 @@ def test_cuda_backend_computes_three_holes_in_one_step(seed: int) -> None:
     """The CUSTOM backend's rows for a holed step (``hole_rows``) through its Triton kernel,
     run by Triton's interpreter on CPU tensors."""
     pytest.importorskip("triton")
-    import kernels.triton_paged_attention as triton_kernel
-    from engine_ext.attention.cuda_backend import (
+    import minipic.kernels.triton_paged_attention as triton_kernel
+    from minipic.engine_ext.attention.cuda_backend import (
         MinipicCudaAttentionImpl,
         MinipicCudaMetadata,
         hole_rows,
@@ -236,8 +236,8 @@ def _request(rid: str, tokens: list[int]):
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.request import Request
 
-    from engine_ext.hashing.span_hashing import make_span_block_hasher
-    from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
+    from minipic.engine_ext.hashing.span_hashing import make_span_block_hasher
+    from minipic.span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
 
     init_none_hash(_sha)
     params = SamplingParams(max_tokens=1, extra_args={SPANS_OPT_IN_KEY: True})
@@ -256,7 +256,7 @@ class _Wrapped:
 
         from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-        from engine_ext.holes import scheduler_lookup as hole_lookup
+        from minipic.engine_ext.holes import scheduler_lookup as hole_lookup
 
         def stock(name: str):
             return inspect.unwrap(getattr(KVCacheManager, name))
@@ -279,7 +279,7 @@ def _final_prompt(rng: random.Random) -> tuple[list[int], list[list[int]]]:
 def _admit(kvm, wrapped: _Wrapped, request, budget: int):
     """What the scheduler's waiting path does: lookup, the chunk clip (scheduler_lookup's plan),
     allocation. Returns (new blocks, planned tokens)."""
-    from engine_ext.holes.scheduler_steps import StepHoles
+    from minipic.engine_ext.holes.scheduler_steps import StepHoles
 
     blocks, hit, _ = wrapped.lookup(kvm, request)
     pending = request.__dict__[CACHED_RUNS_ATTR]
@@ -292,7 +292,7 @@ def _admit(kvm, wrapped: _Wrapped, request, budget: int):
 
 
 def _settle(request, scheduled: int, computed: int):
-    from engine_ext.holes.scheduler_steps import HOLES_ATTR, settle
+    from minipic.engine_ext.holes.scheduler_steps import HOLES_ATTR, settle
 
     request.num_computed_tokens = computed  # as the waiting path sets it
     scheduler = types.SimpleNamespace(requests={request.request_id: request})
@@ -374,7 +374,7 @@ def test_selective_heads_are_published_only_under_their_prompts_chain(seed: int)
     another system prompt finds every body and whole span, and none of the first one's heads."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from prompt_builder import PromptBuilder
+    from minipic.prompt_builder import PromptBuilder
 
     rng = random.Random(seed)
     builder = PromptBuilder.from_pretrained(None, block_size=SMALL, chat_template=False)

@@ -36,8 +36,8 @@ from support.pic_reference import (
     span_part_runs,
 )
 
-from engine_ext.recurrent.checkpoints import call_engine
-from span_contract.engine_utilities import HOLE_STATS_UTILITY
+from minipic.engine_ext.recurrent.checkpoints import call_engine
+from minipic.span_contract.engine_utilities import HOLE_STATS_UTILITY
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_pic")]
 
@@ -49,7 +49,7 @@ POOL_BLOCKS = 33  # KV blocks of the small engine (32 usable: one is vLLM's null
 def small_engine(engines) -> Iterator[object]:
     """A tiny engine with a 64-token step budget and a 33-block pool; vLLM's full-sequence
     admission gate off, so KV pressure preempts running prefills instead of holding them."""
-    from span_contract.engine_config import EngineSettings, build_llm, close_llm
+    from minipic.span_contract.engine_config import EngineSettings, build_llm, close_llm
 
     llm = build_llm(EngineSettings(
         model="tiny-llama", pic=True, max_model_len=1024,
@@ -78,7 +78,7 @@ def _steps_of(llm, request_id: str) -> dict:
 
 
 def test_boundary_recompute_with_four_passages_is_one_step(engines, tiny_ref, seed) -> None:
-    from prompt_builder import PromptBuilder
+    from minipic.prompt_builder import PromptBuilder
 
     llm = engines.get("tiny_pic")
     cfg = llm.minipic_settings.span_config

@@ -23,21 +23,21 @@ import pytest
 from support.background import Background
 from support.seeds import fresh_seed
 
-from engine_ext.vllm_surface import integration_guard
-from span_contract.errors import EngineIntegrationError
-from span_contract.span_config import SPANS_OPT_IN_KEY
+from minipic.engine_ext.vllm_surface import integration_guard
+from minipic.span_contract.errors import EngineIntegrationError
+from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 
 ENGINE = """
 import os, sys
-from span_contract.engine_config import EngineSettings, build_llm, close_llm
+from minipic.span_contract.engine_config import EngineSettings, build_llm, close_llm
 
 if __name__ == "__main__":
     from vllm import SamplingParams
-    from prompt_builder import PromptBuilder
-    from span_contract.models import resolve_model
-    from span_contract.span_config import SPANS_OPT_IN_KEY
+    from minipic.prompt_builder import PromptBuilder
+    from minipic.span_contract.models import resolve_model
+    from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
     llm = build_llm(EngineSettings(model="tiny-llama", max_model_len=512, extra={
         "worker_extension_cls": "tests.support.guard_sabotage.Sabotage"}))
@@ -148,7 +148,7 @@ def test_minipic_engines_resolve_the_v1_runner_where_triton_exists() -> None:
     (the CUDA default), V1 with the environment minipic's launchers set."""
     script = """
 import os
-from span_contract.engine_config import V2_RUNNER_ENV, EngineSettings
+from minipic.span_contract.engine_config import V2_RUNNER_ENV, EngineSettings
 from vllm.engine.arg_utils import EngineArgs
 import vllm.config.vllm as resolved
 

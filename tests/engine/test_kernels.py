@@ -29,8 +29,8 @@ from support.tolerances import check, check_close, ulp
 
 ON_GPU = torch.cuda.is_available()  # without a GPU conftest chose Triton's interpreter
 
-from kernels import dense_attention_ref, paged_attention_rope_ref, rotate  # noqa: E402
-from kernels.triton_paged_attention import paged_attention_rope_triton  # noqa: E402
+from minipic.kernels import dense_attention_ref, paged_attention_rope_ref, rotate  # noqa: E402
+from minipic.kernels.triton_paged_attention import paged_attention_rope_triton  # noqa: E402
 
 
 def _triton_runnable_here() -> bool:
@@ -593,7 +593,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
-from kernels import triton_paged_attention as tpa
+from minipic.kernels import triton_paged_attention as tpa
 
 fn = tpa._paged_attention_rope_kernel
 assert isinstance(fn, JITFunction), "must run without TRITON_INTERPRET"
@@ -746,7 +746,7 @@ def test_rotate_by_offset_equals_rotating_once(case: str, vllm_get_rope, seed: i
     pass through), llama3 / linear tables, and YaRN, whose table folds ``mscale`` into cos/sin
     (it must be applied once, not twice). Offsets of both signs (a span read earlier or later
     than it was written). fp32: the difference of rotating twice vs once is rounding-level."""
-    from kernels import rotate_by_offset, unrotate
+    from minipic.kernels import rotate_by_offset, unrotate
 
     gen = _gen(seed)
     rope = vllm_get_rope(dtype=torch.float32, **ROPE_CASES[case])
@@ -792,7 +792,7 @@ def test_cpu_kv_layout_round_trips_vllm_writer(seed: int) -> None:
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
     from vllm import _custom_ops as ops
 
-    from engine_ext.attention.cpu_kv_layout import probe
+    from minipic.engine_ext.attention.cpu_kv_layout import probe
 
     gen = _gen(seed)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -832,9 +832,9 @@ def test_move_keys_into_the_shadow_equals_rotating_once(case: str, dtype: torch.
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
     from vllm import _custom_ops as ops
 
-    from engine_ext.attention.cpu_backend import move_keys
-    from engine_ext.attention.cpu_kv_layout import probe
-    from engine_ext.attention.step_plan import RotatedFill
+    from minipic.engine_ext.attention.cpu_backend import move_keys
+    from minipic.engine_ext.attention.cpu_kv_layout import probe
+    from minipic.engine_ext.attention.step_plan import RotatedFill
 
     gen = _gen(seed)
     rope = vllm_get_rope(dtype=dtype, **ROPE_CASES[case])

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from engine_ext.attention.key_shadow import pool as key_shadow_pool
-from span_contract.errors import EngineIntegrationError
+from minipic.engine_ext.attention.key_shadow import pool as key_shadow_pool
+from minipic.span_contract.errors import EngineIntegrationError
 
 pytestmark = pytest.mark.fast
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.fast
 def vllm_config():
     from vllm.engine.arg_utils import EngineArgs
 
-    from span_contract.engine_config import EngineSettings
+    from minipic.span_contract.engine_config import EngineSettings
 
     kwargs = EngineSettings(model="tiny-llama").resolved().llm_kwargs()
     kwargs.pop("disable_log_stats", None)

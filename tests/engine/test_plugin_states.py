@@ -17,7 +17,7 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.engine import core
-from engine_ext.plugin import active_state
+from minipic.engine_ext.plugin import active_state
 print(json.dumps({
     "kcu_patched": getattr(kv_cache_utils.get_request_block_hasher, "_minipic", False),
     "core_patched": getattr(core.get_request_block_hasher, "_minipic", False),

@@ -133,7 +133,7 @@ def _tiny_qwen3(folder: str) -> str:
     """A 2-layer random Qwen3 (per-head q/k RMSNorm before RoPE) with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from span_contract.models import default_model_dir
+    from minipic.span_contract.models import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     config = Qwen3Config(
@@ -156,7 +156,7 @@ def _tiny_qwen3(folder: str) -> str:
 
 def test_qwen3_normed_unrotated_keys(tmp_path_factory, seed) -> None:
     """Qwen3 applies q/k-norm before RoPE: the cache must hold the normed, unrotated key."""
-    from span_contract.engine_config import EngineSettings, build_llm, close_llm
+    from minipic.span_contract.engine_config import EngineSettings, build_llm, close_llm
 
     folder = _tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3")))
     llm = build_llm(EngineSettings(model=folder, pic=True, max_model_len=2048))
@@ -250,7 +250,7 @@ def _run_scenario(attend, rope, dtype: torch.dtype, gen: torch.Generator, tol: f
     table, slots, positions)`` and compare each step with ``kernels.dense_attention_ref`` on
     contiguous logical keys. ``reuse[step][name]``: the sequences whose keys ``name`` holds
     before that step's new tokens (its table reads their blocks)."""
-    from kernels import dense_attention_ref
+    from minipic.kernels import dense_attention_ref
 
     scenario = SCENARIO if scenario is None else scenario
     reuse = SCENARIO_REUSE if reuse is None else reuse
@@ -303,7 +303,7 @@ def test_cpu_backend_paths_match_dense_reference(path: str, dtype: torch.dtype, 
     ``auto`` must send only B (the request reading S off its home slot) through the
     RoPE-in-attention path; ``scratch`` and ``torch`` send every request through it.
     """
-    from engine_ext.attention import cpu_backend as rab
+    from minipic.engine_ext.attention import cpu_backend as rab
 
     rotated = rab.KeyShadowIndex()
     plans = _cpu_backend_scenario(path, dtype, seed, monkeypatch, rotated)
@@ -332,7 +332,7 @@ def test_request_reading_a_block_at_two_slots_gets_a_private_chunk(path: str, se
     """D holds S twice (the same physical blocks at slots 1-2 and 3-4): one shadow page per
     block cannot serve both, so D attends a private scratch copy, still equal to the dense
     reference, and the shadow's index is left alone by it."""
-    from engine_ext.attention import cpu_backend as rab
+    from minipic.engine_ext.attention import cpu_backend as rab
 
     rotated = rab.KeyShadowIndex()
     plans = _cpu_backend_scenario(path, torch.float32, seed, monkeypatch, rotated,
@@ -351,7 +351,7 @@ def test_rotated_pool_cap_chunks_the_step_and_stays_exact(seed: int, monkeypatch
     ``scratch``): the step is split in chunks, the pool never holds more than its cap (evicted
     pages are given back before the next chunk fills), and every step still equals the dense
     reference."""
-    from engine_ext.attention import cpu_backend as rab
+    from minipic.engine_ext.attention import cpu_backend as rab
 
     rotated = rab.KeyShadowIndex(cap=4)
     plans = _cpu_backend_scenario("scratch", torch.float32, seed, monkeypatch, rotated)
@@ -388,8 +388,11 @@ def test_cuda_backend_glue_in_triton_interpreter(seed: int) -> None:
     """The CUSTOM (GPU) backend's cache writes, views and kernel call, run on CPU tensors by
     Triton's interpreter (no GPU here): same scenario, same reference."""
     pytest.importorskip("triton")
-    import kernels.triton_paged_attention as triton_kernel
-    from engine_ext.attention.cuda_backend import MinipicCudaAttentionImpl, MinipicCudaMetadata
+    import minipic.kernels.triton_paged_attention as triton_kernel
+    from minipic.engine_ext.attention.cuda_backend import (
+        MinipicCudaAttentionImpl,
+        MinipicCudaMetadata,
+    )
 
     interpreted = "Interpreted" in type(triton_kernel._paged_attention_rope_kernel).__name__
     if not torch.cuda.is_available() and not interpreted:
@@ -421,7 +424,7 @@ def test_query_only_rotary_and_supported_rope_variants() -> None:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from engine_ext.attention.unrotated_keys import QueryOnlyRotary, table_lookup_rope
+    from minipic.engine_ext.attention.unrotated_keys import QueryOnlyRotary, table_lookup_rope
 
     with set_current_vllm_config(VllmConfig()):
         llama3 = get_rope(head_size=128, max_position=8192, dtype=torch.float32,
@@ -453,10 +456,10 @@ def test_install_is_idempotent() -> None:
     from vllm.model_executor.model_loader import base_loader
     from vllm.v1.attention.backends import registry
 
-    from engine_ext.attention import cpu_backend as rab
-    from engine_ext.attention import unrotated_keys
-    from engine_ext.vllm_surface import patches
-    from span_contract.span_config import SpanConfig
+    from minipic.engine_ext.attention import cpu_backend as rab
+    from minipic.engine_ext.attention import unrotated_keys
+    from minipic.engine_ext.vllm_surface import patches
+    from minipic.span_contract.span_config import SpanConfig
 
     saved_overrides = dict(registry._ATTN_OVERRIDES)
     saved_init = base_loader.initialize_model
@@ -491,7 +494,7 @@ def test_rotated_blocks_index_reuse_invalidation_eviction_and_release(seed: int)
     """The key shadow's index: a page per block, holding one slot; reused until its block is
     written, least recently used evicted first (never one the chunk still needs), the evicted
     pages handed to the layers once, everything dropped when idle."""
-    from engine_ext.attention.key_shadow.pool import STALE, KeyShadowIndex, PoolFull
+    from minipic.engine_ext.attention.key_shadow.pool import STALE, KeyShadowIndex, PoolFull
 
     rng = random.Random(seed)
     pool = KeyShadowIndex(cap=4)
@@ -530,7 +533,7 @@ def test_rotated_blocks_index_reuse_invalidation_eviction_and_release(seed: int)
 def test_key_shadow_commits_only_written_pages_and_gives_them_back() -> None:
     """The shadow is address space: writing keys commits memory, release gives it back (the
     pages read as zeros), and a neighbour's page is untouched."""
-    from engine_ext.attention.key_shadow.pages import KeyShadow
+    from minipic.engine_ext.attention.key_shadow.pages import KeyShadow
 
     def rss() -> int:
         with open("/proc/self/statm") as f:

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from checkpoint_planner import plan_checkpoints
-from engine_ext.recurrent.policy import (
+from minipic.checkpoint_planner import plan_checkpoints
+from minipic.engine_ext.recurrent.policy import (
     OVERRIDE_KEY,
     CheckpointConfig,
     CheckpointPolicy,
@@ -191,7 +191,7 @@ def tiny_qwen3_next_config() -> Any:
     """vLLM's config of the tiny hybrid as the checkpoint engines run it (no engine started)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from span_contract.models import tiny_qwen3_next_dir
+    from minipic.span_contract.models import tiny_qwen3_next_dir
 
     return EngineArgs(model=str(tiny_qwen3_next_dir()), dtype="bfloat16",
                       block_size=REQUESTED_BLOCK, enable_prefix_caching=True,
@@ -227,7 +227,7 @@ def generate(llm: Any, ids: list[int], xargs: Any = None, max_tokens: int = 1,
 
 
 def stats(llm: Any, ids: list[int] | None = None) -> dict[str, Any]:
-    from engine_ext.recurrent.checkpoints import checkpoint_stats
+    from minipic.engine_ext.recurrent.checkpoints import checkpoint_stats
 
     return checkpoint_stats(llm, ids)
 
@@ -323,7 +323,7 @@ def test_only_planned_positions_hold_state(ckpt_llm, block):
     assert stats(ckpt_llm)["state_blocks_total"] == 2 * len(groups)
 
     # 4. keep_tail=True: vLLM's own tail checkpoint is kept next to the planned one.
-    from engine_ext.recurrent.checkpoints import configure_checkpoints
+    from minipic.engine_ext.recurrent.checkpoints import configure_checkpoints
 
     try:
         configure_checkpoints(ckpt_llm, CheckpointConfig(budget=0, keep_tail=True))
@@ -406,7 +406,7 @@ def test_exact_resume_matches_no_prefix_cache(engines, ckpt_llm, block):
 @pytest.mark.engine
 def test_learned_plan_follows_observed_depths(ckpt_llm, block):
     """With ``learn`` the server plan moves to where requests actually overlap."""
-    from engine_ext.recurrent.checkpoints import configure_checkpoints
+    from minipic.engine_ext.recurrent.checkpoints import configure_checkpoints
 
     rng = random.Random()
     g = block

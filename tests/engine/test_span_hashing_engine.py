@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from prompt_builder import PromptBuilder
-from span_contract.span_config import SPANS_OPT_IN_KEY
+from minipic.prompt_builder import PromptBuilder
+from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_pic", "tiny_stock")]
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_ext.hashing.span_hashing import make_span_block_hasher
-from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
+from minipic.engine_ext.hashing.span_hashing import make_span_block_hasher
+from minipic.span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
 
 pytestmark = pytest.mark.fast
 
@@ -150,7 +150,7 @@ def test_truncated_block_hashes_rechain_on_the_current_tokens(hashers, opt_in):
 def test_block_hashes_set_without_the_full_chain_rebuild_it(hashers):
     """A request whose ``block_hashes`` came from elsewhere (no full chain kept next to them)
     still chains its next PDEP block over the true full prefix."""
-    from engine_ext.hashing.span_hashing import FULL_CHAIN_ATTR
+    from minipic.engine_ext.hashing.span_hashing import FULL_CHAIN_ATTR
 
     _, pic = hashers
     rng = random.Random()

@@ -112,7 +112,7 @@ def test_same_output_whatever_the_cache_holds(engines, tiny_ref, seed) -> None:
 
 
 def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -> None:
-    from prompt_builder import PromptBuilder
+    from minipic.prompt_builder import PromptBuilder
 
     llm = engines.get("tiny_pic")
     cfg = llm.minipic_settings.span_config

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from engine_ext.vllm_surface import patches
-from engine_ext.vllm_surface.added_names import CACHED_RUNS_ATTR
-from engine_ext.vllm_surface.patch_sources import VllmSources, differences
-from span_contract.errors import EngineIntegrationError
-from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
+from minipic.engine_ext.vllm_surface import patches
+from minipic.engine_ext.vllm_surface.added_names import CACHED_RUNS_ATTR
+from minipic.engine_ext.vllm_surface.patch_sources import VllmSources, differences
+from minipic.span_contract.errors import EngineIntegrationError
+from minipic.span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
 from tests.support.vllm_upstream import fetch
 
 pytestmark = pytest.mark.fast
@@ -32,7 +32,7 @@ CONFIG = SpanConfig(block_size=BLOCK, ssep_id=5, pdep_id=11, pad_id=16)
 
 @pytest.fixture(scope="module")
 def next_sources() -> VllmSources:
-    from span_contract.models import cache_root
+    from minipic.span_contract.models import cache_root
 
     return VllmSources(fetch.next_sources(cache_root()))
 
@@ -99,7 +99,7 @@ def _sha(obj: Any) -> bytes:
 def test_hasher_factory_takes_the_lookahead_and_refuses_it(monkeypatch) -> None:
     import types
 
-    from engine_ext.hashing import span_hashing
+    from minipic.engine_ext.hashing import span_hashing
 
     fake_config = types.SimpleNamespace(
         additional_config={}, model_config=types.SimpleNamespace(enforce_eager=True,
@@ -130,7 +130,7 @@ def _request(rid: str, tokens: list[int]) -> Any:
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.request import Request
 
-    from engine_ext.hashing.span_hashing import make_span_block_hasher
+    from minipic.engine_ext.hashing.span_hashing import make_span_block_hasher
 
     init_none_hash(_sha)
     params = SamplingParams(max_tokens=1, extra_args={SPANS_OPT_IN_KEY: True})
@@ -148,7 +148,7 @@ def test_lookup_honours_max_cache_hit_length_past_misses(seed: int) -> None:
     ``KVCacheManager``; the stock 0.32 lookup stands in for 0.33's, bound applied as 0.33 does."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from engine_ext.holes import scheduler_lookup as hole_lookup
+    from minipic.engine_ext.holes import scheduler_lookup as hole_lookup
 
     rng = random.Random(seed)
     span_b = _span(rng)

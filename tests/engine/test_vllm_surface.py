@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from support.source_scan import spelled_constants
 
-from span_contract.span_config import SpanConfig
+from minipic.span_contract.span_config import SpanConfig
 
 pytestmark = pytest.mark.fast
 
@@ -36,11 +36,11 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.engine import core
-from engine_ext.plugin import active_state
-from engine_ext.span_store import stats
+from minipic.engine_ext.plugin import active_state
+from minipic.engine_ext.span_store import stats
 stats.install()
-from engine_ext.vllm_surface import patches
-from engine_ext.vllm_surface.added_names import PATCH_MARK_ATTR
+from minipic.engine_ext.vllm_surface import patches
+from minipic.engine_ext.vllm_surface.added_names import PATCH_MARK_ATTR
 rows = []
 for p in patches.PATCH_POINTS:
     if p.kind != "adds" or not p.applies_here():
@@ -78,7 +78,7 @@ def test_enabled_plugin_patches_every_binding_and_installs_what_was_asked(
 
 def test_added_methods_are_table_rows_installed_with_their_parameters(
         enabled_plugin: dict) -> None:
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     rows = enabled_plugin["rows"]
     expected = {p.target for p in patches.PATCH_POINTS if p.kind == "adds" and p.applies_here()}
@@ -91,8 +91,8 @@ def test_added_methods_are_table_rows_installed_with_their_parameters(
 def test_a_vllm_that_defines_the_name_itself_is_refused(monkeypatch) -> None:
     from vllm.v1.engine.core import EngineCore
 
-    from engine_ext.vllm_surface import patches
-    from span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
+    from minipic.engine_ext.vllm_surface import patches
+    from minipic.span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
 
     target = f"vllm.v1.engine.core:EngineCore.{SPAN_STORE_STATS_UTILITY}"
     monkeypatch.setattr(EngineCore, SPAN_STORE_STATS_UTILITY, lambda self: "vLLM's own",
@@ -111,7 +111,7 @@ def _python_files(root: Path) -> list[Path]:
 
 
 def test_every_minipic_attribute_on_vllm_objects_is_named_in_one_module() -> None:
-    from engine_ext.vllm_surface import added_names
+    from minipic.engine_ext.vllm_surface import added_names
 
     names = set(added_names.ALL.values())
     assert len(names) == len(added_names.ALL), "two constants name one attribute"

@@ -88,7 +88,7 @@ def _node_id(test: str) -> str:
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from span_contract.models import cache_root
+    from minipic.span_contract.models import cache_root
 
     return fetch.upstream_tree(cache_root()), tmp_path_factory.mktemp("vllm-upstream")
 

@@ -27,15 +27,15 @@ from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, Prom
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableLambda
 
-from integrations.langchain.runnable import (
+from minipic.integrations.langchain.runnable import (
     SpanRAGRunnable,
     documents_to_spans,
     no_documents,
     parse_input,
     question_of,
 )
-from integrations.langchain.wiki_retriever import WikiRetriever
-from orchestrator import Answer, BadInputError, Orchestrator, SyncOrchestrator
+from minipic.integrations.langchain.wiki_retriever import WikiRetriever
+from minipic.orchestrator import Answer, BadInputError, Orchestrator, SyncOrchestrator
 
 pytestmark = pytest.mark.shares("tiny_orchestrator", "smol_server")
 

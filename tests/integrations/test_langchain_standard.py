@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from langchain_tests.integration_tests import RetrieversIntegrationTests
 
-from integrations.langchain.wiki_retriever import WikiRetriever
+from minipic.integrations.langchain.wiki_retriever import WikiRetriever
 
 pytestmark = pytest.mark.fast
 

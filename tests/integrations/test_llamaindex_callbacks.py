@@ -42,7 +42,7 @@ def test_token_counting_sees_every_call_both_ways(tiny_orchestrator, settings_ma
     from llama_index.core import Settings, SummaryIndex
     from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 
-    from integrations.llamaindex import MinipicLLM, SpanSynthesizer
+    from minipic.integrations.llamaindex import MinipicLLM, SpanSynthesizer
 
     rng = random.Random(seed)
     counter = TokenCountingHandler()

@@ -20,8 +20,8 @@ import pytest
 from support.counting_backend import CountingBackend
 from support.documents import SYSTEM, doc
 
-from engine_ext.attention.key_shadow.pool import DEFAULT_SHARE
-from orchestrator import (
+from minipic.engine_ext.attention.key_shadow.pool import DEFAULT_SHARE
+from minipic.orchestrator import (
     Answer,
     BadInputError,
     Orchestrator,
@@ -30,7 +30,7 @@ from orchestrator import (
     SpanTooLongError,
     SyncOrchestrator,
 )
-from orchestrator.corpus import default_corpus
+from minipic.orchestrator.corpus import default_corpus
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_orchestrator")]
 

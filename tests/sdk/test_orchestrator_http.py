@@ -22,7 +22,7 @@ from support.counting_backend import CountingBackend
 from support.documents import SYSTEM, doc
 from support.servers import ServerProcess, free_port
 
-from orchestrator import (
+from minipic.orchestrator import (
     Answer,
     ConfigMismatchError,
     EngineError,
@@ -32,9 +32,9 @@ from orchestrator import (
     RetryPolicy,
     SyncOrchestrator,
 )
-from orchestrator.corpus import default_corpus
-from orchestrator.http_backend import HttpBackend
-from prompt_builder import PromptBuilder
+from minipic.orchestrator.corpus import default_corpus
+from minipic.orchestrator.http_backend import HttpBackend
+from minipic.prompt_builder import PromptBuilder
 
 pytestmark = [pytest.mark.server, pytest.mark.shares("smol_server")]
 

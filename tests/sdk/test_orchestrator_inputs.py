@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator import Answer, BadInputError, SyncOrchestrator
+from minipic.orchestrator import Answer, BadInputError, SyncOrchestrator
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares("tiny_orchestrator")]
 

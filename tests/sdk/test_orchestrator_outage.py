@@ -21,7 +21,7 @@ import pytest
 from support.counting_backend import CountingBackend
 from support.servers import ServerProcess, free_port
 
-from orchestrator import (
+from minipic.orchestrator import (
     Answer,
     BackendInfo,
     BadInputError,
@@ -31,8 +31,8 @@ from orchestrator import (
     RetryPolicy,
     SyncOrchestrator,
 )
-from orchestrator.http_backend import HttpBackend
-from prompt_builder import PromptBuilder, SpanConfig
+from minipic.orchestrator.http_backend import HttpBackend
+from minipic.prompt_builder import PromptBuilder, SpanConfig
 
 
 def doc(name: str, words: int = 30) -> str:

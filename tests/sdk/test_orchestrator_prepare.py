@@ -17,16 +17,16 @@ import pytest
 from support.counting_backend import CountingBackend
 from support.servers import free_port
 
-from orchestrator import (
+from minipic.orchestrator import (
     BackendInfo,
     BadInputError,
     EngineUnreachableError,
     Orchestrator,
     RetryPolicy,
 )
-from orchestrator.http_backend import HttpBackend
-from orchestrator.streaming import stream_answer
-from prompt_builder import PromptBuilder
+from minipic.orchestrator.http_backend import HttpBackend
+from minipic.orchestrator.streaming import stream_answer
+from minipic.prompt_builder import PromptBuilder
 
 pytestmark = pytest.mark.fast
 

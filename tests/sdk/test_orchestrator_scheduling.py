@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from orchestrator import (
+from minipic.orchestrator import (
     Answer,
     BackendInfo,
     BadInputError,
@@ -30,9 +30,9 @@ from orchestrator import (
     SyncOrchestrator,
     WarmthRegistry,
 )
-from orchestrator.slots import PrioritySlots
-from orchestrator.warmth import check_cache
-from prompt_builder import PromptBuilder, SpanConfig
+from minipic.orchestrator.slots import PrioritySlots
+from minipic.orchestrator.warmth import check_cache
+from minipic.prompt_builder import PromptBuilder, SpanConfig
 
 pytestmark = pytest.mark.fast
 FAST_RETRY = RetryPolicy(max_attempts=4, backoff_s=0.001, max_backoff_s=0.005)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken
 
-from prompt_builder import (
+from minipic.prompt_builder import (
     BlockSizeError,
     ChatTemplateError,
     DuplicateSpanIdError,
@@ -32,9 +32,9 @@ from prompt_builder import (
     Span,
     SpanTokenError,
 )
-from span_contract.env import ENABLE_ENV, SPAN_CONFIG_ENV
-from span_contract.span_config import SpanConfig
-from span_contract.special_tokens import FAMILY_TOKENS, detect_family
+from minipic.span_contract.env import ENABLE_ENV, SPAN_CONFIG_ENV
+from minipic.span_contract.span_config import SpanConfig
+from minipic.span_contract.special_tokens import FAMILY_TOKENS, detect_family
 
 pytestmark = pytest.mark.fast
 
@@ -50,7 +50,7 @@ PIC_MODES = [Mode.BLOCK_ATTENTION, Mode.BOUNDARY_RECOMPUTE, Mode.SELECTIVE]
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from span_contract.models import ModelUnavailableError, default_model_dir
+    from minipic.span_contract.models import ModelUnavailableError, default_model_dir
 
     try:
         return default_model_dir(fetch=False)
@@ -91,7 +91,7 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="module")
 def builders(tokenizer):
     """One builder per (block size, chat template) — cheap, they share the tokenizer."""
-    from span_contract.special_tokens import default_span_config
+    from minipic.span_contract.special_tokens import default_span_config
 
     return {
         (bs, chat): PromptBuilder(tokenizer, default_span_config(tokenizer, bs),
@@ -373,7 +373,7 @@ def test_selective_layout_recomputes_a_share_of_each_span_from_its_start(builder
     span and B (never on the question); bad budgets name the accepted form."""
     import math
 
-    from prompt_builder import parse_mode
+    from minipic.prompt_builder import parse_mode
 
     builder = pick_builder(builders, 16, True)
     rng = random.Random(seed)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prompt_builder import (
+from minipic.prompt_builder import (
     BudgetPolicy,
     HFTokenCounter,
     InvalidInputError,
@@ -25,10 +25,10 @@ from prompt_builder import (
     count_tokens,
     fit_texts,
 )
-from prompt_builder.budget import allocate, padded_span_cost
-from span_contract import tiktoken_offline
-from span_contract.env import CACHE_DIR_ENV
-from span_contract.special_tokens import default_span_config
+from minipic.prompt_builder.budget import allocate, padded_span_cost
+from minipic.span_contract import tiktoken_offline
+from minipic.span_contract.env import CACHE_DIR_ENV
+from minipic.span_contract.special_tokens import default_span_config
 
 pytestmark = pytest.mark.fast
 
@@ -39,7 +39,7 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from span_contract.models import ModelUnavailableError, default_model_dir
+    from minipic.span_contract.models import ModelUnavailableError, default_model_dir
 
     try:
         return AutoTokenizer.from_pretrained(default_model_dir(fetch=False))

@@ -44,8 +44,8 @@ def cluster() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def builder(cluster: ServerProcess) -> Any:
-    from prompt_builder import PromptBuilder
-    from span_contract.models import resolve_model
+    from minipic.prompt_builder import PromptBuilder
+    from minipic.span_contract.models import resolve_model
 
     b = PromptBuilder.from_pretrained(resolve_model("tiny-llama"), block_size=BLOCK)
     cfg = httpx.get(cluster.base_url + "/minipic/config", timeout=30).json()
@@ -139,7 +139,7 @@ def test_question_goes_to_the_replica_holding_its_spans(cluster, builder, seed) 
 def test_router_belief_matches_what_engines_hold(cluster, builder, seed) -> None:
     """After a burst through the SDK, probe every replica directly with every document: the
     cached tokens each engine reports equal what the router believes that replica holds."""
-    from orchestrator import SyncOrchestrator
+    from minipic.orchestrator import SyncOrchestrator
 
     rng = random.Random(seed + 1)
     docs = [words(rng, rng.randint(30, 80)) for _ in range(8)]
@@ -318,7 +318,7 @@ def _alive(pid: int) -> bool:
 def test_replica_killed_mid_batch_loses_no_question(cluster, builder, seed) -> None:
     import threading
 
-    from orchestrator import MinipicError, SyncOrchestrator
+    from minipic.orchestrator import MinipicError, SyncOrchestrator
 
     rng = random.Random(seed + 2)
     pids = {key: rep["pids"] for key, rep in replicas(cluster).items()}

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from support.servers import free_port
 
-from serving.block_index import BlockIndex
+from minipic.serving.block_index import BlockIndex
 
 pytestmark = pytest.mark.fast
 
@@ -109,7 +109,7 @@ def publisher():
 
 
 def test_subscriber_learns_earlier_and_live_events(publisher: Publisher, seed: int) -> None:
-    from serving.kv_events import EventSource, KvEventSubscriber
+    from minipic.serving.kv_events import EventSource, KvEventSubscriber
 
     rng = random.Random(seed)
     early, late = _hashes(rng, 4), _hashes(rng, 3)
@@ -151,7 +151,7 @@ def test_gap_is_replayed_or_the_replica_is_cleared(buffer_steps: int, seed: int)
     """A live batch arrives after missed ones: the replay fills the gap while the buffer
     still has it; once the buffer moved on, the replica's holdings are dropped (routing by load
     for it) rather than kept with a hole nobody knows about."""
-    from serving.kv_events import EventSource, KvEventSubscriber, _Sub
+    from minipic.serving.kv_events import EventSource, KvEventSubscriber, _Sub
 
     rng = random.Random(seed)
     pub = Publisher(buffer_steps=buffer_steps)
@@ -196,7 +196,7 @@ class Candidate:
 def router():
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-    from serving.span_router import SpanAffinityRouter
+    from minipic.serving.span_router import SpanAffinityRouter
 
     deployment = DeploymentID(name="engine", app_name="policy-test")
     r = SpanAffinityRouter(deployment_id=deployment,
@@ -214,7 +214,7 @@ def _first(ranks) -> str:
 
 
 def test_policy_holder_then_hot_spot_then_group(router, seed: int) -> None:
-    from serving.request_blocks import RoutedRequest
+    from minipic.serving.request_blocks import RoutedRequest
 
     r, replicas = router
     rng = random.Random(seed)
@@ -247,7 +247,7 @@ def test_policy_holder_then_hot_spot_then_group(router, seed: int) -> None:
 def _span_router(max_imbalance: int | None) -> Any:
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from serving.span_router import SpanAffinityRouter
+    from minipic.serving.span_router import SpanAffinityRouter
 
     r = SpanAffinityRouter(deployment_id=DeploymentID(name="engine", app_name="store-test"),
                            handle_source=DeploymentHandleSource.UNKNOWN)
@@ -262,8 +262,8 @@ def test_store_identity_is_one_per_directory_not_per_path(tmp_path) -> None:
     import shutil
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine_ext.span_store.tiers.directory import DirTier
-    from serving.store_identity import ID_NAME, ReplicaStore, store_identity
+    from minipic.engine_ext.span_store.tiers.directory import DirTier
+    from minipic.serving.store_identity import ID_NAME, ReplicaStore, store_identity
 
     shared = tmp_path / "mount" / "span-store"  # not there yet: the first replica makes it
     with ThreadPoolExecutor(8) as pool:
@@ -294,8 +294,8 @@ def test_router_routes_for_a_shared_store_only_when_every_replica_reports_it(
     same path on their own nodes keep the per-replica routing (4), and the decision is logged."""
     import logging
 
-    from serving.request_blocks import RoutedRequest
-    from serving.store_identity import (
+    from minipic.serving.request_blocks import RoutedRequest
+    from minipic.serving.store_identity import (
         MAX_IMBALANCE,
         MAX_IMBALANCE_SHARED_STORE,
         STAT_KEY,
@@ -383,10 +383,10 @@ async def test_ingress_refuses_an_oversized_body_before_reading_it(
     from fastapi import FastAPI
     from ray.serve.exceptions import RayServeException
 
-    from serving.documents.bodies import Limits
-    from serving.documents.middleware import DocumentsMiddleware
-    from serving.ingress import app
-    from span_contract.env import MAX_BODY_MIB_ENV
+    from minipic.serving.documents.bodies import Limits
+    from minipic.serving.documents.middleware import DocumentsMiddleware
+    from minipic.serving.ingress import app
+    from minipic.span_contract.env import MAX_BODY_MIB_ENV
 
     rng = random.Random(seed)
     monkeypatch.setenv(MAX_BODY_MIB_ENV, f"{rng.uniform(0.002, 0.05):.6f}")
@@ -443,9 +443,9 @@ def test_router_refuses_a_vllm_whose_hashing_it_was_not_checked_against(monkeypa
     route on hashes that silently differ from the engine's."""
     from vllm.v1.core import kv_cache_utils
 
-    from serving.request_blocks import HashSetup, RequestBlockHasher, none_hash_seed
-    from span_contract.errors import EngineIntegrationError
-    from span_contract.span_config import SpanConfig
+    from minipic.serving.request_blocks import HashSetup, RequestBlockHasher, none_hash_seed
+    from minipic.span_contract.errors import EngineIntegrationError
+    from minipic.span_contract.span_config import SpanConfig
 
     # this process's own seed: building a hasher sets vLLM's root hash for the process
     setup = HashSetup(SpanConfig(block_size=32, ssep_id=1, pdep_id=2, pad_id=0),

@@ -43,7 +43,7 @@ def client(server: ServerProcess) -> Any:
 
 @pytest.fixture(scope="module")
 def sdk(server: ServerProcess) -> Iterator[Any]:
-    from orchestrator import SyncOrchestrator
+    from minipic.orchestrator import SyncOrchestrator
 
     orc = SyncOrchestrator.connect(server.base_url)
     yield orc
@@ -229,7 +229,7 @@ def test_llamaindex_query_engine_answers_streams_and_reports_cache(server, sdk) 
     from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
     from llama_index.core.embeddings import MockEmbedding
 
-    from integrations.llamaindex import (
+    from minipic.integrations.llamaindex import (
         MinipicLLM,
         SpanSynthesizer,
         WikiRetriever,
@@ -325,7 +325,7 @@ def test_budget_errors_and_other_bad_bodies_leave_the_server_serving(server, cli
     # a plain request, untouched: no minipic object, the chat template's own prompt
     from transformers import AutoTokenizer
 
-    from span_contract.models import resolve_model
+    from minipic.span_contract.models import resolve_model
 
     messages = [{"role": "user", "content": "Which river flows through Paris?"}]
     plain = client.chat.completions.create(model="minipic", messages=messages, max_tokens=3,

@@ -8,8 +8,8 @@ import random
 import httpx
 import pytest
 
-from prompt_builder import PromptBuilder
-from span_contract.span_config import SPANS_OPT_IN_KEY
+from minipic.prompt_builder import PromptBuilder
+from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
 pytestmark = [pytest.mark.server, pytest.mark.shares("smol_server", "smol_pic")]
 

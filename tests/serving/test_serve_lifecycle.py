@@ -25,7 +25,7 @@ import psutil
 import pytest
 from support.servers import ServerProcess
 
-from orchestrator import SyncOrchestrator
+from minipic.orchestrator import SyncOrchestrator
 
 TINY = ("--model", "tiny-llama", "--max-model-len", "2048")
 API_KEY = "lifecycle-test-key"
@@ -131,7 +131,7 @@ def servers(tmp_path_factory) -> Iterator[dict[str, Future]]:
     serves a LoRA adapter of the tiny model, ``LORA``."""
     from support.lora_adapter import write_zero_lora
 
-    from span_contract.models import resolve_model
+    from minipic.span_contract.models import resolve_model
 
     adapter = write_zero_lora(tmp_path_factory.mktemp("lora"), resolve_model("tiny-llama"))
     boot = ThreadPoolExecutor(2, thread_name_prefix="boot")

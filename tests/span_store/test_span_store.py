@@ -48,8 +48,8 @@ pytestmark = pytest.mark.engine
 
 
 def _start(store_dir: Path, ram_mib: int) -> object:
-    from span_contract.engine_config import EngineSettings, build_llm
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.span_contract.engine_config import EngineSettings, build_llm
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     settings = EngineSettings(model="tiny-llama", pic=True, max_model_len=2048,
                               span_store=SpanStoreConfig(dir=str(store_dir), ram_mib=ram_mib))
@@ -64,7 +64,7 @@ def store_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def disk_llm(store_dir: Path) -> Iterator[object]:
     """An engine whose store is the local disk only (RAM tier off)."""
-    from span_contract.engine_config import close_llm
+    from minipic.span_contract.engine_config import close_llm
 
     llm = _start(store_dir, ram_mib=0)
     yield llm
@@ -77,8 +77,8 @@ def ref(disk_llm) -> PicReference:
 
 
 def _stats(llm) -> dict:
-    from engine_ext.recurrent.checkpoints import call_engine
-    from span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
+    from minipic.engine_ext.recurrent.checkpoints import call_engine
+    from minipic.span_contract.engine_utilities import SPAN_STORE_STATS_UTILITY
 
     stats = call_engine(llm, SPAN_STORE_STATS_UTILITY)
     assert stats is not None, "the engine runs no span store"
@@ -186,7 +186,7 @@ def test_corrupt_truncated_foreign_forged_and_special_entries_are_misses(
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from store_faults import _forge
 
-    from engine_ext.span_store.tiers import Entry
+    from minipic.engine_ext.span_store.tiers import Entry
 
     llm = disk_llm
     rng = random.Random(seed)
@@ -260,8 +260,8 @@ def test_other_weights_on_the_same_store_load_nothing(disk_llm, ref, store_dir, 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from span_contract.engine_config import close_llm
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.span_contract.engine_config import close_llm
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     rng = random.Random(seed)
     prompt = random_prompt(disk_llm, rng, ref.vocab_size, [40, 30])
@@ -294,8 +294,8 @@ def test_spans_of_random_weights_from_the_same_folder_are_never_loaded(disk_llm,
     """The issue's sequence: a ``--load-format dummy`` engine (random weights, the same model
     folder and store) prefills spans; the real-weights engine then runs the final: it loads
     none of them and answers as its own block-mask reference (a storeless engine's)."""
-    from span_contract.engine_config import close_llm
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.span_contract.engine_config import close_llm
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     rng = random.Random(seed)
     prompt = random_prompt(disk_llm, rng, ref.vocab_size, [40, 30, 20])
@@ -322,8 +322,8 @@ def test_tensor_parallel_store_loads_a_block_only_when_every_rank_has_its_part(
     same tolerance as TP = 1, since fp32 all-reduce sums two partial products in another
     order, ~1e-6 here against 1e-4). With one rank's part of one block deleted, that block is
     computed (never half-loaded) and the answer still equals the reference."""
-    from span_contract.engine_config import close_llm
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.span_contract.engine_config import close_llm
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     store = tmp_path / "tp-store"
     llm = _start_with(SpanStoreConfig(dir=str(store), ram_mib=0),
@@ -365,7 +365,7 @@ def _start_with(store, pool_blocks: int | None = None, max_model_len: int = 2048
                 model: str = "tiny-llama", extra: dict | None = None) -> object:
     """An engine with ``store`` (a SpanStoreConfig or None), optionally a pool of
     ``pool_blocks`` KV blocks (vLLM's ``num_gpu_blocks_override``) and other engine args."""
-    from span_contract.engine_config import EngineSettings, build_llm
+    from minipic.span_contract.engine_config import EngineSettings, build_llm
 
     extra = dict(extra or {})
     if pool_blocks is not None:
@@ -380,8 +380,8 @@ def test_two_engines_share_one_tier(disk_llm, ref, store_dir, seed) -> None:
     what one saves, the other finds under the same key, verified under the same secret). Its
     first final is warm and equals the reference; a block it loaded from the shared tier is
     then in its own RAM tier too. (A restart after a SIGKILL: ``test_span_store_http.py``.)"""
-    from span_contract.engine_config import close_llm
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.span_contract.engine_config import close_llm
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     rng = random.Random(seed)
     prompt = random_prompt(disk_llm, rng, ref.vocab_size, [40, 60, 27])
@@ -405,8 +405,8 @@ def test_corpus_bigger_than_the_pool(ref, tmp_path, seed) -> None:
     """A corpus of 4x the pool's blocks, random questions over 4 of its documents each: with
     the store nearly every span token is cached (the pool alone keeps about a quarter), and
     every answer is the same with and without the store."""
-    from span_contract.engine_config import close_llm
-    from span_contract.span_store_config import SpanStoreConfig
+    from minipic.span_contract.engine_config import close_llm
+    from minipic.span_contract.span_store_config import SpanStoreConfig
 
     rng = random.Random(seed)
     engines = {"store": _start_with(SpanStoreConfig(dir=str(tmp_path / "corpus"), ram_mib=64),

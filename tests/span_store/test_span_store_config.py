@@ -14,8 +14,12 @@ import os
 
 import pytest
 
-from span_contract.env import CACHE_DIR_ENV
-from span_contract.span_store_config import CONNECTOR_MODULE, SpanStoreConfig, weights_digest
+from minipic.span_contract.env import CACHE_DIR_ENV
+from minipic.span_contract.span_store_config import (
+    CONNECTOR_MODULE,
+    SpanStoreConfig,
+    weights_digest,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -28,7 +32,7 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 
 def test_serve_flags(tmp_path, monkeypatch) -> None:
     from minipic.serve import span_store_config
-    from span_contract.span_store_config import DEFAULT_ENV
+    from minipic.span_contract.span_store_config import DEFAULT_ENV
 
     # the default: on, next to the models (the test session sets the variable to "off" so that
     # the suite's servers keep their pools alone; a user's shell does not)
@@ -57,7 +61,7 @@ def test_serve_flags(tmp_path, monkeypatch) -> None:
 
 
 def test_engine_gets_the_connector(tmp_path) -> None:
-    from span_contract.engine_config import EngineSettings
+    from minipic.span_contract.engine_config import EngineSettings
 
     settings = EngineSettings(model="tiny-llama", span_store=str(tmp_path / "s")).resolved()
     store = settings.span_store
@@ -106,7 +110,7 @@ def test_each_engine_checks_the_launchers_digest_against_its_own_files(tmp_path,
     folder replaced after the launcher hashed it turns the store off with a reason."""
     from types import SimpleNamespace
 
-    from engine_ext.span_store.connector import engine_weights_digest
+    from minipic.engine_ext.span_store.connector import engine_weights_digest
 
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     model = tmp_path / "model"
@@ -142,7 +146,7 @@ def _vllm_config(**overrides):
     """A real vLLM config for tiny-llama as minipic starts it (no engine is started)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from span_contract.engine_config import EngineSettings
+    from minipic.span_contract.engine_config import EngineSettings
 
     settings = EngineSettings(model="tiny-llama").resolved()
     kwargs = {**settings.llm_kwargs(), **overrides}
@@ -179,11 +183,11 @@ def test_every_input_of_the_kv_changes_the_fingerprint_and_the_keys(base_config,
 
     from vllm.v1.core import kv_cache_utils
 
-    import span_contract.engine_config as engine_config
-    from engine_ext.span_store.keys import entry_key
-    from engine_ext.span_store.tiers import DirTier, Entry
-    from span_contract.span_config import SpanConfig
-    from span_contract.span_store_config import config_fingerprint, fingerprint_facts
+    import minipic.span_contract.engine_config as engine_config
+    from minipic.engine_ext.span_store.keys import entry_key
+    from minipic.engine_ext.span_store.tiers import DirTier, Entry
+    from minipic.span_contract.span_config import SpanConfig
+    from minipic.span_contract.span_store_config import config_fingerprint, fingerprint_facts
 
     if getattr(kv_cache_utils, "NONE_HASH", None) is None:  # set at engine start otherwise
         from vllm.utils.hashing import sha256_cbor
@@ -246,7 +250,7 @@ def test_engine_code_hash_follows_the_code(tmp_path) -> None:
     import shutil
     from pathlib import Path
 
-    from span_contract.engine_config import code_hash
+    from minipic.span_contract.engine_config import code_hash
 
     repo = Path(__file__).resolve().parents[2]
     for package in ("engine_ext", "kernels"):
@@ -262,8 +266,8 @@ def test_tensor_parallel_gets_a_core_group_per_rank(tmp_path, monkeypatch) -> No
     """The store runs with tensor parallelism (tests/span_store/test_span_store.py); on CPU each
     rank needs its own cores, which minipic sets where the user has not."""
     from minipic.serve import _tensor_parallel, _tp_thread_binding
-    from span_contract.cpu_runtime import THREADS_BIND_ENV, thread_binding
-    from span_contract.engine_config import EngineSettings
+    from minipic.span_contract.cpu_runtime import THREADS_BIND_ENV, thread_binding
+    from minipic.span_contract.engine_config import EngineSettings
 
     assert thread_binding(2, [0, 1]) == "0|1"
     assert thread_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3"

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from engine_ext.span_store.fill_queue import FillQueue
-from engine_ext.span_store.tiers import DirTier, Entry, TieredStore
+from minipic.engine_ext.span_store.fill_queue import FillQueue
+from minipic.engine_ext.span_store.tiers import DirTier, Entry, TieredStore
 
 pytestmark = pytest.mark.fast
 

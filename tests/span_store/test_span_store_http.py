@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.pic_reference import build_pic_prompt, random_ordinary_ids
 from support.servers import ServerProcess
 
-from engine_ext.endpoints import CONFIG_PATH, RESET_PATH
-from span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
+from minipic.engine_ext.endpoints import CONFIG_PATH, RESET_PATH
+from minipic.span_contract.span_config import SPANS_OPT_IN_KEY, SpanConfig
 
 pytestmark = pytest.mark.server
 

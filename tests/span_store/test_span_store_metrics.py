@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
-from engine_ext.span_store.metrics import (
+from minipic.engine_ext.span_store.metrics import (
     OFF_REASONS,
     PERSISTENT_TIERS,
     SOURCES,
@@ -138,9 +138,9 @@ def test_worker_write_events_ship_once(tmp_path, seed, monkeypatch) -> None:
     import errno
     import os
 
-    from engine_ext.span_store.tiers import DirTier, Entry, TieredStore
-    from engine_ext.span_store.tiers.backoff import WriteBackoff
-    from engine_ext.span_store.worker_side import PageCopier
+    from minipic.engine_ext.span_store.tiers import DirTier, Entry, TieredStore
+    from minipic.engine_ext.span_store.tiers.backoff import WriteBackoff
+    from minipic.engine_ext.span_store.worker_side import PageCopier
 
     clock = SimpleNamespace(now=0.0)
     tier = DirTier(tmp_path, 1 << 24, "fp", backoff=WriteBackoff(clock=lambda: clock.now))

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_ext.span_store.tiers import Entry, RamTier, TieredStore
-from engine_ext.span_store.worker_side import PageCopier
+from minipic.engine_ext.span_store.tiers import Entry, RamTier, TieredStore
+from minipic.engine_ext.span_store.worker_side import PageCopier
 
 pytestmark = pytest.mark.fast
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.span_store import tiers
-from engine_ext.span_store.tiers import (
+from minipic.engine_ext.span_store import tiers
+from minipic.engine_ext.span_store.tiers import (
     HEADER,
     MAGIC,
     SUFFIX,
@@ -43,7 +43,7 @@ from engine_ext.span_store.tiers import (
     TieredStore,
     directory,
 )
-from engine_ext.span_store.tiers.backoff import WriteBackoff
+from minipic.engine_ext.span_store.tiers.backoff import WriteBackoff
 
 pytestmark = pytest.mark.fast
 
@@ -486,8 +486,8 @@ def test_dir_deleted_under_a_running_tier_gives_misses(tmp_path, rng, logs):
 
 FAULT_SCRIPT = r"""
 import json, logging, os, random, subprocess, sys
-from engine_ext.span_store.tiers import DirTier, Entry
-from engine_ext.span_store.tiers.backoff import WriteBackoff
+from minipic.engine_ext.span_store.tiers import DirTier, Entry
+from minipic.engine_ext.span_store.tiers.backoff import WriteBackoff
 
 class Clock:
     now = 1000.0
@@ -674,7 +674,7 @@ def test_write_fault_matrix_pauses_writes_then_a_probe_resumes(tmp_path, rng, lo
 
 WRITER_SCRIPT = r"""
 import hashlib, random, sys
-from engine_ext.span_store.tiers import DirTier, Entry
+from minipic.engine_ext.span_store.tiers import DirTier, Entry
 path, seed, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 tier = DirTier(path, 1 << 40, "fp-kill")
 for i in range(start, start + 100_000):
@@ -725,7 +725,7 @@ def test_sigkill_mid_write_leaves_nothing_that_reads_as_valid(tmp_path, seed):
 
 RACER_SCRIPT = r"""
 import hashlib, json, os, random, sys, time
-from engine_ext.span_store.tiers import DirTier, Entry
+from minipic.engine_ext.span_store.tiers import DirTier, Entry
 path, seed, variant, go = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 items = []
 for i in range(30):

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.span_store.tiers import DirTier, Entry, TieredStore
-from engine_ext.span_store.tiers.files import SECRET_NAME
+from minipic.engine_ext.span_store.tiers import DirTier, Entry, TieredStore
+from minipic.engine_ext.span_store.tiers.files import SECRET_NAME
 
 pytestmark = pytest.mark.fast
 
@@ -131,7 +131,7 @@ def test_entries_forged_are_removed_and_another_stores_are_kept_misses(tmp_path,
     sys.path.insert(0, str(REPO / "benchmarks"))
     from store_faults import _forge
 
-    from engine_ext.span_store.tiers.files import key_id
+    from minipic.engine_ext.span_store.tiers.files import key_id
 
     tier = DirTier(tmp_path / "store", 64 << 20, FP)
     other = DirTier(tmp_path / "other", 64 << 20, FP)
@@ -319,8 +319,7 @@ def test_two_replicas_across_a_key_deletion_delete_no_valid_entry(tmp_path, rng,
 def test_a_replaced_secret_is_adopted_by_the_periodic_check(tmp_path, rng, monkeypatch):
     """Rotation by replacing the file: a running tier notices on its next read or write once
     the check interval passed, and writes under the new secret."""
-    import engine_ext.span_store.tiers.directory as directory
-
+    import minipic.engine_ext.span_store.tiers.directory as directory
     root = tmp_path / "store"
     tier = DirTier(root, 64 << 20, FP)
     key, entry = key_for(rng), entry_for(rng)

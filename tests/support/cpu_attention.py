@@ -32,8 +32,8 @@ class CpuAttention:
         import vllm._custom_ops as ops
         import vllm.v1.attention.backends.cpu_attn as cpu_attn
 
-        from engine_ext.attention import cpu_backend as rab
-        from engine_ext.attention.step_plan import HomeSlots
+        from minipic.engine_ext.attention import cpu_backend as rab
+        from minipic.engine_ext.attention.step_plan import HomeSlots
 
         fake_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
         monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: fake_config)

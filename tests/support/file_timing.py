@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from span_contract.env import FILE_TIMES_ENV
+from minipic.span_contract.env import FILE_TIMES_ENV
 
 _SECONDS: collections.Counter[str] = collections.Counter()
 _TESTS: collections.Counter[str] = collections.Counter()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from span_contract.env import TEST_SABOTAGE_ENV
+from minipic.span_contract.env import TEST_SABOTAGE_ENV
 
 MODE = os.environ.get(TEST_SABOTAGE_ENV, "")
 
@@ -24,8 +24,8 @@ if MODE in ("runner-override", "forged-mark"):
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from engine_ext.attention import span_isolation
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.attention import span_isolation
+    from minipic.engine_ext.vllm_surface import patches
 
     stock = GPUModelRunner._build_attention_metadata.__wrapped__
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from span_contract.env import TEST_LANES_FILE_ENV
+from minipic.span_contract.env import TEST_LANES_FILE_ENV
 
 TIMES_FILE = Path(__file__).resolve().parents[1] / "file_times.json"
 DEFAULT_SECONDS = 20.0  # a module not timed yet

@@ -20,7 +20,7 @@ def pic_sampling(max_tokens: int = 4, logprobs: int = 5, opt_in: bool = True,
     for span semantics (else it gets stock hashing and attention)."""
     from vllm import SamplingParams
 
-    from span_contract.span_config import SPANS_OPT_IN_KEY
+    from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
                           ignore_eos=ignore_eos,
@@ -87,7 +87,7 @@ def selective_prompt(llm: Any, rng: random.Random, share: float, question: str,
     or to get no head block) laid out by the SDK's builder for the engine's span config, and its
     two-pass reference runs: the isolated parts (bodies and whole spans); heads, system and
     question attend to everything before them."""
-    from prompt_builder import PromptBuilder
+    from minipic.prompt_builder import PromptBuilder
     from support.pic_reference import span_part_runs
 
     cfg = llm.minipic_settings.span_config

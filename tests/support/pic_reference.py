@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minipic.span_contract.span_config import SpanConfig
 from minipic.tune.layout import additive_mask, block_attention_allowed
 from minipic.tune.layout import isolated_runs as span_part_runs
-from span_contract.span_config import SpanConfig
 
 __all__ = ["PicPrompt", "PicReference", "REFERENCE_TOL", "block_attention_allowed",
            "build_pic_prompt", "max_logprob_error", "pad_span", "prompt_error",

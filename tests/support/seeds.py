@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import random
 
-from span_contract.env import TEST_SEED_ENV
+from minipic.span_contract.env import TEST_SEED_ENV
 
 
 def fresh_seed() -> int:

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from span_contract.env import TOLERANCE_LOG_ENV
+from minipic.span_contract.env import TOLERANCE_LOG_ENV
 
 LOG_ENV = TOLERANCE_LOG_ENV
 

@@ -46,8 +46,8 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
-from span_contract.engine_utilities import KEY_SHADOW_STATS_RPC
-from span_contract.env import KEY_SHADOW_SHARE_ENV
+from minipic.span_contract.engine_utilities import KEY_SHADOW_STATS_RPC
+from minipic.span_contract.env import KEY_SHADOW_SHARE_ENV
 
 SHARE_ENV = KEY_SHADOW_SHARE_ENV
 DEFAULT_SHARE = 0.1  # of the KV budget: keys only, values are read in place
@@ -163,7 +163,7 @@ def pool_cap_entries(entry_bytes: int, min_entries: int, scratch_bytes: int = 0)
         return None
     cap = max(budget - scratch_bytes, 0) // entry_bytes
     if cap < min_entries:
-        from span_contract.errors import EngineIntegrationError
+        from minipic.span_contract.errors import EngineIntegrationError
 
         raise EngineIntegrationError(
             f"the key shadow's {budget / 2**20:.0f} MiB hold {cap} blocks after the "
@@ -194,7 +194,7 @@ def install_budget() -> None:
         return
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from engine_ext.vllm_surface import patches
+    from minipic.engine_ext.vllm_surface import patches
 
     def factory(stock: Any) -> Any:
         @functools.wraps(stock)
@@ -202,7 +202,7 @@ def install_budget() -> None:
             total = stock(self)
             pool = max(int(total * pool_share()), one_request_bytes(self.vllm_config))
             if pool >= total:
-                from span_contract.errors import EngineIntegrationError
+                from minipic.span_contract.errors import EngineIntegrationError
 
                 raise EngineIntegrationError(
                     f"one request of max_model_len needs {pool / 2**20:.0f} MiB of rotated "

@@ -19,15 +19,15 @@ entry file's bytes: the only writer and reader of them), ``files`` (the store's 
 modes, no-follow opens, the MAC), ``backoff`` (when writes resume after a fault).
 """
 
-from engine_ext.span_store.tiers.base import (
+from minipic.engine_ext.span_store.tiers.base import (
     KEPT_REASONS,
     RAM_SOURCE,
     REMOVED_REASONS,
     Entry,
     check_key,
 )
-from engine_ext.span_store.tiers.directory import DirTier
-from engine_ext.span_store.tiers.format import (
+from minipic.engine_ext.span_store.tiers.directory import DirTier
+from minipic.engine_ext.span_store.tiers.format import (
     FORMAT_VERSION,
     HASHED_HEADER_BYTES,
     HEADER,
@@ -35,9 +35,9 @@ from engine_ext.span_store.tiers.format import (
     SUFFIX,
     TEMP_PREFIX,
 )
-from engine_ext.span_store.tiers.ram import RamTier
-from engine_ext.span_store.tiers.store import TieredStore
-from engine_ext.span_store.tiers.writer import TierWriter
+from minipic.engine_ext.span_store.tiers.ram import RamTier
+from minipic.engine_ext.span_store.tiers.store import TieredStore
+from minipic.engine_ext.span_store.tiers.writer import TierWriter
 
 __all__ = [
     "FORMAT_VERSION",

@@ -85,8 +85,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from engine_ext.span_store.tiers.backoff import WriteBackoff
-from engine_ext.span_store.tiers.base import (
+from minipic.engine_ext.span_store.tiers.backoff import WriteBackoff
+from minipic.engine_ext.span_store.tiers.base import (
     KEPT_REASONS,
     KEY_RE,
     RAM_SOURCE,
@@ -95,7 +95,7 @@ from engine_ext.span_store.tiers.base import (
     check_key,
     logger,
 )
-from engine_ext.span_store.tiers.files import (
+from minipic.engine_ext.span_store.tiers.files import (
     Modes,
     NotAnEntry,
     check_root,
@@ -107,7 +107,7 @@ from engine_ext.span_store.tiers.files import (
     remove_entry_name,
     secret_stamp,
 )
-from engine_ext.span_store.tiers.format import (
+from minipic.engine_ext.span_store.tiers.format import (
     FORMAT_VERSION,
     HEADER,
     SUFFIX,

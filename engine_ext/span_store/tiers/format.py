@@ -41,8 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from engine_ext.span_store.tiers.base import Entry
-from engine_ext.span_store.tiers.files import KEY_ID_BYTES, entry_mac, key_id
+from minipic.engine_ext.span_store.tiers.base import Entry
+from minipic.engine_ext.span_store.tiers.files import KEY_ID_BYTES, entry_mac, key_id
 
 MAGIC = b"MPICSPAN"
 # 3: the key id in the header; 2: HMAC under the store's secret; 1: unkeyed sha256

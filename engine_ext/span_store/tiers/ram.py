@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from engine_ext.span_store.tiers.base import Entry
+from minipic.engine_ext.span_store.tiers.base import Entry
 
 
 class RamTier:

@@ -8,10 +8,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from engine_ext.span_store.tiers.base import RAM_SOURCE, Entry, check_key, logger
-from engine_ext.span_store.tiers.directory import DirTier
-from engine_ext.span_store.tiers.ram import RamTier
-from engine_ext.span_store.tiers.writer import TierWriter
+from minipic.engine_ext.span_store.tiers.base import RAM_SOURCE, Entry, check_key, logger
+from minipic.engine_ext.span_store.tiers.directory import DirTier
+from minipic.engine_ext.span_store.tiers.ram import RamTier
+from minipic.engine_ext.span_store.tiers.writer import TierWriter
 
 
 class TieredStore:

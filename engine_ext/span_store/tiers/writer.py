@@ -9,10 +9,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine_ext.span_store.tiers.base import Entry, logger
+from minipic.engine_ext.span_store.tiers.base import Entry, logger
 
 if TYPE_CHECKING:
-    from engine_ext.span_store.tiers.directory import DirTier
+    from minipic.engine_ext.span_store.tiers.directory import DirTier
 
 
 class TierWriter:

@@ -24,7 +24,7 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
-from span_contract.models import exclusive, sha256_of
+from minipic.span_contract.models import exclusive, sha256_of
 
 VLLM_VERSION = "0.32.0"
 SDIST_URL = (

@@ -28,7 +28,7 @@ import os
 from collections import Counter
 from typing import Any
 
-from span_contract.env import UPSTREAM_MODE_ENV, UPSTREAM_REPORT_ENV
+from minipic.span_contract.env import UPSTREAM_MODE_ENV, UPSTREAM_REPORT_ENV
 
 MODE_ENV = UPSTREAM_MODE_ENV
 REPORT_ENV = UPSTREAM_REPORT_ENV
@@ -40,10 +40,10 @@ _COUNTS: Counter[str] = Counter()
 
 
 def _install(mode: str) -> list[str]:
-    from engine_ext.hashing import span_hashing
-    from engine_ext.holes import scheduler_lookup as hole_lookup
-    from engine_ext.vllm_surface import patches
-    from span_contract.span_config import SpanConfig
+    from minipic.engine_ext.hashing import span_hashing
+    from minipic.engine_ext.holes import scheduler_lookup as hole_lookup
+    from minipic.engine_ext.vllm_surface import patches
+    from minipic.span_contract.span_config import SpanConfig
 
     config = SpanConfig(block_size=16, **MARKER_IDS)
 
