@@ -40,7 +40,22 @@ PUBLIC_MODULES = ("minipic", "minipic.orchestrator", "minipic.prompt_builder",
                   "minipic.integrations.llamaindex", "minipic.cli")
 
 
-def _build(kind: str, out: Path, cwd: Path = ROOT) -> Path:
+def _clean_copy(dest: Path) -> Path:
+    """The tracked files of the checkout, links kept as links: what a fresh clone builds from
+    (and the build's ``build/`` and ``*.egg-info`` stay out of the checkout)."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        source, target = ROOT / name, dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            target.symlink_to(os.readlink(source))
+        elif source.is_file():
+            shutil.copy2(source, target)
+    return dest
+
+
+def _build(kind: str, out: Path, cwd: Path) -> Path:
     """setuptools' PEP 517 hook in a subprocess (the build system the project declares)."""
     code = (f"from setuptools import build_meta; "
             f"print(build_meta.build_{kind}({str(out)!r}))")
@@ -75,8 +90,9 @@ def installed(tmp_path_factory) -> Iterator[dict]:
     work = tmp_path_factory.mktemp("wheel")
     dist = work / "dist"
     dist.mkdir()
-    wheel = _build("wheel", dist)
-    sdist = _build("sdist", dist)
+    source = _clean_copy(work / "source")
+    wheel = _build("wheel", dist, source)
+    sdist = _build("sdist", dist, source)
     venv = work / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=work)
     py = venv / "bin" / "python"

@@ -25,6 +25,7 @@ each.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import time
@@ -105,6 +106,27 @@ def _saved(llm, prompt: PicPrompt, salt: str | None = None) -> None:
     while len(_entries(store_dir)) < files + blocks:  # written off the engine's thread
         assert time.monotonic() < deadline, "the store did not write its entries in 60 s"
         time.sleep(0.05)
+
+
+def _same_logprobs(a: object, b: object) -> bool:
+    """Every returned logprob of two completions equal (the same KV bytes, the same step)."""
+    steps_a, steps_b = a.outputs[0].logprobs, b.outputs[0].logprobs  # type: ignore[attr-defined]
+    return len(steps_a) == len(steps_b) and all(
+        {t: lp.logprob for t, lp in x.items()} == {t: lp.logprob for t, lp in y.items()}
+        for x, y in zip(steps_a, steps_b, strict=True))
+
+
+def _entries_under_current_secret(store_dir: Path) -> list[Path]:
+    """Entry files whose header names the key id of the store's secret now."""
+    from minipic.engine_ext.span_store.tiers.files import SECRET_NAME, key_id
+
+    kid = key_id((store_dir / SECRET_NAME).read_bytes())
+    found = []
+    for path in _entries(store_dir):
+        with contextlib.suppress(OSError), path.open("rb") as fh:
+            if fh.read(32)[24:32] == kid:
+                found.append(path)
+    return found
 
 
 def _entries(store_dir: Path) -> list[Path]:
@@ -348,6 +370,7 @@ def test_tensor_parallel_store_loads_a_block_only_when_every_rank_has_its_part(
                 newest = max(_entries(store), key=lambda p: p.stat().st_mtime_ns)
                 rank1 = newest.with_name(newest.name.replace("-r0.kvb", "-r1.kvb"))
                 rank1.unlink()
+            pooled = generate(llm, [prompt.token_ids], pic_sampling())[0]  # spans in the pool
             assert llm.reset_prefix_cache()
             before = _counts(llm)
             out = generate(llm, [prompt.token_ids], pic_sampling())[0]
@@ -357,6 +380,11 @@ def test_tensor_parallel_store_loads_a_block_only_when_every_rank_has_its_part(
             assert out.num_cached_tokens == expected * block, f"seed={seed}"
             err = prompt_error(out, prompt, ref)
             assert err < REFERENCE_TOL, f"TP=2 off the reference by {err:.2e} (seed={seed})"
+            if not damaged:
+                # against the same TP = 2 engine without the store (the spans it computed, in
+                # its pool): the loaded parts are the bytes each rank wrote, so the same answer
+                assert out.outputs[0].token_ids == pooled.outputs[0].token_ids, f"seed={seed}"
+                assert _same_logprobs(out, pooled), f"seed={seed}"
     finally:
         close_llm(llm)
 
@@ -397,6 +425,33 @@ def test_two_engines_share_one_tier(disk_llm, ref, store_dir, seed) -> None:
         again = generate(other, [prompt.token_ids], pic_sampling())[0]
         assert _counts(other).get("tokens_ram", 0) - ram_before == prompt.span_tokens
         assert again.outputs[0].token_ids == out.outputs[0].token_ids
+        # the store's secret is deleted under both (a rotation): the first to write creates a
+        # new one, the other adopts it when it meets an entry under it; both keep answering
+        # right, and the first prompt's entries, now under the old secret, are recomputed and
+        # stored again rather than loaded or deleted as damage
+        (store_dir / ".store-key").unlink()
+        time.sleep(1.1)  # past the tiers' once-a-second look at the secret
+        fresh = random_prompt(disk_llm, rng, ref.vocab_size, [35, 50])
+        _saved(disk_llm, fresh)
+        assert (store_dir / ".store-key").exists()
+        out = generate(other, [fresh.token_ids], pic_sampling())[0]
+        assert out.num_cached_tokens == fresh.span_tokens, f"seed={seed}"
+        assert prompt_error(out, fresh, ref) < REFERENCE_TOL, f"seed={seed}"
+        blocks = prompt.span_tokens // disk_llm.minipic_settings.block_size
+        under_new = len(_entries_under_current_secret(store_dir))
+        for expect_loaded in (False, True):  # old secret: computed and re-stored; then loaded
+            assert disk_llm.reset_prefix_cache()
+            before = _counts(disk_llm)
+            out = generate(disk_llm, [prompt.token_ids], pic_sampling())[0]
+            after = _counts(disk_llm)
+            assert _delta(after, before, "loaded_blocks") == (blocks if expect_loaded else 0)
+            assert prompt_error(out, prompt, ref) < REFERENCE_TOL, f"seed={seed}"
+            deadline = time.monotonic() + 60
+            while len(_entries_under_current_secret(store_dir)) < under_new + blocks:
+                assert time.monotonic() < deadline, "the recomputed blocks were not re-stored"
+                time.sleep(0.05)
+        assert _counts(disk_llm).get("key_changes_disk", 0) == 1
+        assert _counts(other).get("key_changes_shared", 0) == 1
     finally:
         close_llm(other)
 
