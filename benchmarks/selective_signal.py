@@ -541,8 +541,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="data seed (minipic eval's: same items and distractors) and the seed "
                          "of the random signal (default 0)")
     ap.add_argument("--data", default="builtin",
-                    help="builtin, fanoutqa, cpkc (as minipic eval) or a JSONL of "
-                         "{question, documents, answer?, system?} (default builtin)")
+                    help="builtin (fanoutqa + SQuAD 1.1 dev), fanoutqa, squad (as minipic "
+                         "eval), or a .jsonl of {question, documents, answer?, system?} "
+                         "(default builtin)")
     ap.add_argument("--passages", default="3-10", help="documents per built-in item, MIN-MAX")
     ap.add_argument("--max-words", type=int, default=80, help="built-in passages' cut (80)")
     ap.add_argument("--budgets", default="0.05,0.1,0.15,0.25",

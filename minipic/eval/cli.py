@@ -37,8 +37,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
         "eval", help="answer quality of each mode vs full attention, beside its TTFT",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="builtin",
-                   help="builtin (fanoutqa + BIG-bench knowledge conflicts), fanoutqa, cpkc, or "
-                        "a JSONL of {question, documents, answer?, system?} (default builtin)")
+                   help="builtin (fanoutqa + SQuAD 1.1 dev), fanoutqa, squad, or a .jsonl of "
+                        "{question, documents, answer?, system?} (default builtin)")
     p.add_argument("--n", type=int, default=300, help="items (built-in data; default 300)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated (default {','.join(DEFAULT_MODES)}); "
@@ -91,7 +91,11 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_jsonl(args.data)
         items, errors = loaded.items, loaded.errors
     else:
-        items = builtin_items(args.data, args.n, args.seed, (low, high), args.max_words)
+        try:
+            items = builtin_items(args.data, args.n, args.seed, (low, high), args.max_words)
+        except BadInputError as exc:  # an unknown set, or one that could not be downloaded
+            print(f"minipic eval: {exc}")
+            return 2
     kept = untuned_items(args, items)
     if kept is None:
         return 2

@@ -51,8 +51,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="run folder (see above)")
     p.add_argument("--model", default=None, help="model folder (default SmolLM2-135M)")
     p.add_argument("--data", default="builtin",
-                   help="builtin (BIG-bench knowledge conflicts, minus eval's items) or a JSONL "
-                        "of {question, documents, answer?, system?} (default builtin)")
+                   help="builtin (SQuAD 1.1 train, minus eval's items; also called squad) or "
+                        "a .jsonl of {question, documents, answer?, system?} (default builtin)")
     p.add_argument("--n", type=int, default=400, help="tuning items at most (default 400)")
     p.add_argument("--epochs", type=float, default=1.0,
                    help="passes over the tuning items; sets --steps (default 1)")

@@ -5,9 +5,11 @@ Tuning needs no labels (the teacher is the model itself), only questions over do
 built-in sets or the user's JSONL (``minipic eval``'s format). The split is by content, not by
 position in a file, so it survives reordering and re-drawing:
 
-* **built-in data**: tuning items are drawn from BIG-bench's knowledge-conflict set with their
-  own seed, and every item ``minipic eval`` scores by default (``builtin``, n = 300, seed 0,
-  both sources) is removed by question;
+* **built-in data** (``builtin`` or ``squad``): tuning items are drawn from SQuAD 1.1's *train*
+  split with their own seed, while ``minipic eval``'s default set is fanoutqa plus SQuAD's *dev*
+  split, so the two never share a paragraph; on top of that, every item ``minipic eval`` scores
+  by default (``builtin``, n = 300, seed 0, both sources) is removed by question, which still
+  guards the split should eval's default set ever draw from train;
 * **a JSONL**: a fixed share of items, chosen by a hash of the question, is held out and written
   beside the tuned model for ``minipic eval --data``;
 * the tuned model's ``minipic_tune.json`` lists a digest of every question it was tuned on, and
@@ -22,7 +24,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from minipic.eval.datasets import EvalItem, builtin_items, cpkc_items, load_jsonl
+from minipic.eval.datasets import CPKC_GONE, EvalItem, builtin_items, load_jsonl, squad_items
 from minipic.span_contract.errors import BadInputError
 
 # what `minipic eval` scores by default: never tuned on
@@ -63,9 +65,11 @@ def load(data: str, n: int, seed: int, passages: tuple[int, int], max_words: int
     """Tuning and held-out items; ``BadInputError`` for data that cannot be tuned on."""
     if data.endswith(".jsonl"):
         return _from_jsonl(Path(data), n, seed, skip_bad_lines)
-    if data not in ("builtin", "cpkc"):
-        raise BadInputError(f"--data {data!r}: builtin (BIG-bench knowledge conflicts) or a "
-                            f".jsonl of {{question, documents, answer?, system?}}")
+    if data == "cpkc":
+        raise BadInputError(CPKC_GONE)
+    if data not in ("builtin", "squad"):
+        raise BadInputError(f"--data {data!r}: builtin (SQuAD 1.1 train) or a .jsonl of "
+                            f"{{question, documents, answer?, system?}}")
     from minipic.orchestrator.corpus import default_corpus
 
     # eval's default set, and the same draw with this run's passage settings (the draw of
@@ -74,9 +78,10 @@ def load(data: str, n: int, seed: int, passages: tuple[int, int], max_words: int
     alike = builtin_items(**{**EVAL_DEFAULT, "passages": passages, "max_words": max_words})
     banned = {question_digest(i.question) for i in heldout + alike}
     rng = random.Random(seed)
-    drawn = cpkc_items(rng, default_corpus(), n + len(banned), passages, max_words)
+    drawn = squad_items(rng, default_corpus(), n + len(banned), passages, max_words,
+                        split="train")
     kept = [i for i in drawn if question_digest(i.question) not in banned]
-    return TuneData(train=kept[:n], heldout=heldout[:report_n], source="builtin (cpkc)",
+    return TuneData(train=kept[:n], heldout=heldout[:report_n], source="builtin (squad train)",
                     excluded=len(drawn) - len(kept), bad_lines=[])
 
 

@@ -4,7 +4,7 @@ Metrics: KL of identical distributions is 0, a known pair gives its closed form,
 SQuAD's normalisation, the paired bootstrap CI covers the true mean in a simulation. The run:
 the tiny model, fresh random items; the report has every field, ``prefix`` (span opt-in) agrees
 with full attention (stock path, same tokens) to KL ~ 0, and bad JSONL lines are per-line errors
-while the run goes on.
+while the run goes on. The built-in set: fanoutqa, then SQuAD 1.1 dev, the same for a seed.
 """
 
 from __future__ import annotations
@@ -103,6 +103,29 @@ def test_jsonl_lines_with_problems_are_reported_not_fatal(tmp_path: Path) -> Non
     assert [i.question for i in loaded.items] == ["q?", "ok"]
     assert [e["line"] for e in loaded.errors] == [2, 3, 4, 5, 6]
     assert "documents" in loaded.errors[1]["error"] and "UTF-8" in loaded.errors[2]["error"]
+
+
+@pytest.mark.fast
+def test_builtin_set_is_fanoutqa_then_squad_dev(seed) -> None:
+    from minipic.eval.datasets import builtin_items
+    from minipic.span_contract.errors import BadInputError
+
+    n = random.Random(seed).randint(80, 120)
+    items = builtin_items("builtin", n, seed)
+    fanoutqa = builtin_items("fanoutqa", 1000, seed)
+    assert len(items) == n and 0 < len(fanoutqa) < n
+    assert items[: len(fanoutqa)] == fanoutqa  # same seed, same draw: fanoutqa comes first
+    assert all(i.id.startswith("fanoutqa-") and i.source == "fanoutqa" for i in fanoutqa)
+    squad = items[len(fanoutqa):]
+    assert all(i.id.startswith("squad-dev-") and i.source == "squad" for i in squad)
+    assert len({i.id for i in items}) == n
+    for item in items:
+        assert 3 <= len(item.documents) <= 10, item.id
+        assert item.answer and item.gold_index is not None
+        assert item.answer.lower() in item.documents[item.gold_index].lower(), item.id
+    assert builtin_items("builtin", n, seed) == items
+    with pytest.raises(BadInputError, match="squad"):
+        builtin_items("cpkc", n, seed)
 
 
 @pytest.mark.engine

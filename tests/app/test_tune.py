@@ -22,12 +22,13 @@ VOCAB = ["river", "stone", "lamp", "cedar", "harbor", "violet", "ember", "falcon
          "quartz", "meadow", "copper"]
 
 
-def random_items(rng: random.Random, n: int) -> list[dict]:
+def random_items(rng: random.Random, n: int, first: int = 0) -> list[dict]:
+    """``n`` items with ids ``r{first}`` onwards (ids stay unique when a test draws more)."""
     return [{"id": f"r{i}", "question": f"Which {rng.choice(VOCAB)} is {i} "
                                         f"{' '.join(rng.sample(VOCAB, 3))}?",
              "documents": [" ".join(rng.choice(VOCAB) for _ in range(rng.randint(15, 45)))
                            for _ in range(rng.randint(2, 3))],
-             "answer": rng.choice(VOCAB)} for i in range(n)]
+             "answer": rng.choice(VOCAB)} for i in range(first, first + n)]
 
 
 def write_jsonl(path: Path, rows: list[dict], extra: bytes = b"") -> Path:
@@ -47,7 +48,8 @@ def test_bad_options_and_bad_data_get_clear_errors(tmp_path: Path, capsys, seed)
         (["--method", "full", "--dtype", "bfloat16"], "--method full needs --dtype float32"),
         (["--passages", "5-2"], "--passages must be MIN-MAX"),
         (["--data", str(tmp_path / "missing.jsonl")], "no such file"),
-        (["--data", "wikipedia"], "builtin (BIG-bench knowledge conflicts) or a .jsonl"),
+        (["--data", "wikipedia"], "builtin (SQuAD 1.1 train) or a .jsonl"),
+        (["--data", "cpkc"], "its replacement is `squad`"),
         (["--model", str(tmp_path)], "not a model folder"),
     ]
     for extra, message in cases:
@@ -75,6 +77,8 @@ def test_builtin_tuning_items_never_include_what_eval_scores(seed) -> None:
     scored = builtin_items(**tune_data.EVAL_DEFAULT)  # minipic eval's default set
     scored_digests = {tune_data.question_digest(i.question) for i in scored}
     assert len(loaded.train) == 40 and len(loaded.heldout) == 5
+    assert all(i.id.startswith("squad-train-") for i in loaded.train), loaded.train[0].id
+    assert loaded.source == "builtin (squad train)"
     assert not scored_digests & {tune_data.question_digest(i.question) for i in loaded.train}
     assert [i.id for i in loaded.heldout] == [i.id for i in scored[:5]]
     # a JSONL splits by question content: the same question lands on the same side in any file
@@ -376,7 +380,7 @@ def test_tune_cli_reports_the_saved_dtype_and_its_rows_are_the_saved_models(
     rng = random.Random(seed)
     rows = random_items(rng, 16)
     while not any(tune_data.is_heldout(r["question"]) for r in rows):
-        rows += random_items(rng, 4)
+        rows += random_items(rng, 4, first=len(rows))
     data = write_jsonl(tmp_path / "mine.jsonl", rows)
     model_dir = _bf16_tiny_llama()
     run = tmp_path / "run"
