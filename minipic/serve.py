@@ -272,8 +272,7 @@ def run(args: argparse.Namespace) -> int:
               f"tensor-parallel rank; set it yourself to choose)", file=sys.stderr)
     if args.replicas is not None:
         return run_replicas(args, settings, extra)
-    argv = settings.server_argv(args.host, args.port, args.served_model_name)
-    argv += extra
+    argv = settings.server_argv(args.host, args.port, args.served_model_name, extra)
     env = {**os.environ, **settings.plugin_env(),
            CACHE_RESET_ENV: "1" if args.enable_cache_reset else "0"}
     span = settings.span_config

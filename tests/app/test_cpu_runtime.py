@@ -174,8 +174,9 @@ def _mapped(pid: int) -> set[str]:
 
 @pytest.mark.engine
 def test_engine_processes_have_the_libraries_mapped(engines) -> None:
-    """The dynamic loader loaded them in the EngineCore and its worker (both spawned: a fork
-    would have inherited the parent's mappings without them), and the parent's own
+    """The dynamic loader loaded them in the EngineCore, where the worker runs
+    (``EngineSettings.executor_args``; spawned: a fork would have inherited the parent's
+    mappings without them), and the parent's own
     ``LD_PRELOAD`` is as it was (vLLM's edit of it is undone after the construction)."""
     import psutil
 
@@ -189,15 +190,41 @@ def test_engine_processes_have_the_libraries_mapped(engines) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     engines.get("tiny_stock")
     # vLLM names its processes VLLM::EngineCore and VLLM::Worker (the resource tracker that the
-    # first engine of a process may start gets the preload too, but is not what this is about)
+    # first engine of a process may start gets the preload too, but is not what this is about);
+    # one engine without parallelism has no worker process of its own
     started = [p for p in psutil.Process().children(recursive=True)
                if p.pid not in before and p.name().startswith("VLLM::")]
     assert os.environ.get("LD_PRELOAD") == before_env
     if not started:
         pytest.skip("the shared tiny_stock engine was already up before this test")
-    assert sorted(p.name() for p in started) == ["VLLM::EngineCore", "VLLM::Worker"]
+    assert sorted(p.name() for p in started) == ["VLLM::EngineCore"]
     mapped = {p.pid: _mapped(p.pid) for p in started}
     for pid, names in mapped.items():
         assert wanted <= names, (pid, sorted(wanted - names))
         assert "libiomp5.so" not in wanted or "libgomp" not in psutil.Process(pid).environ().get(
             "LD_PRELOAD", ""), "vLLM preloaded libgomp beside Intel OpenMP"
+
+
+@pytest.mark.fast
+def test_one_cpu_engine_runs_its_worker_inside_the_engine_core(monkeypatch) -> None:
+    """Without parallelism the worker runs in the EngineCore (one spawned process fewer per
+    engine); any parallelism, or an executor the user chose, keeps vLLM's own choice; a GPU
+    is left as vLLM sets it up."""
+    from minipic.span_contract import engine_config
+    from minipic.span_contract.engine_config import IN_ENGINE_CORE_EXECUTOR, EngineSettings
+
+    monkeypatch.setattr(engine_config, "_is_cpu", lambda: True)
+    flag = "--distributed-executor-backend"
+    plain = EngineSettings(model="tiny-llama").resolved()
+    assert plain.llm_kwargs()["distributed_executor_backend"] == IN_ENGINE_CORE_EXECUTOR
+    argv = plain.server_argv("127.0.0.1", 1, "m")
+    assert argv[argv.index(flag) + 1] == IN_ENGINE_CORE_EXECUTOR
+    for vllm_args in (["-tp", "2"], ["--pipeline-parallel-size=2"], [flag, "mp"]):
+        argv = plain.server_argv("127.0.0.1", 1, "m", vllm_args)
+        assert IN_ENGINE_CORE_EXECUTOR not in argv and argv[-len(vllm_args):] == vllm_args
+    ranks = EngineSettings(model="tiny-llama", extra={"tensor_parallel_size": 2}).resolved()
+    assert "distributed_executor_backend" not in ranks.llm_kwargs()
+    chosen = EngineSettings(model="tiny-llama", extra={"distributed_executor_backend": "mp"})
+    assert chosen.resolved().llm_kwargs()["distributed_executor_backend"] == "mp"
+    monkeypatch.setattr(engine_config, "_is_cpu", lambda: False)
+    assert "distributed_executor_backend" not in plain.llm_kwargs()
