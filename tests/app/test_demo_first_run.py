@@ -84,7 +84,9 @@ SLOW_TEARDOWN = textwrap.dedent("""
     from minipic.orchestrator import SyncOrchestrator
 
     def main() -> None:
-        orc = SyncOrchestrator.embedded("tiny-llama")
+        # the worker in a process of its own, as under tensor parallelism (one engine without
+        # parallelism runs it inside the EngineCore: EngineSettings.executor_args)
+        orc = SyncOrchestrator.embedded("tiny-llama", distributed_executor_backend="mp")
         orc.answer("Warm-up?", ["warm-up"], mode="prefix", max_tokens=1)
         cores = [p for p in psutil.Process().children()
                  if "EngineCore" in p.name() + " ".join(p.cmdline())]
