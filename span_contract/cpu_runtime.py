@@ -225,6 +225,15 @@ if __name__ == "__main__":
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
+def numa_nodes(root: Path = Path("/sys/devices/system/node")) -> int:
+    """How many NUMA nodes this machine has (0 where Linux does not say)."""
+    try:
+        return sum(1 for entry in root.iterdir()
+                   if entry.name.startswith("node") and entry.name[4:].isdigit())
+    except OSError:
+        return 0
+
+
 def thread_binding(ranks: int, cores: Sequence[int] | None = None) -> str | None:
     """vLLM's CPU thread binding for ``ranks`` tensor-parallel workers: this process's cores
     split into ``ranks`` contiguous groups (``"0|1"`` on 2 cores). None when there are fewer

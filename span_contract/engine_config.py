@@ -20,7 +20,12 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator
 
 from minipic.span_contract.checkpoint_config import CheckpointConfig
-from minipic.span_contract.cpu_runtime import THREADS_BIND_ENV, preload_env, thread_binding
+from minipic.span_contract.cpu_runtime import (
+    THREADS_BIND_ENV,
+    numa_nodes,
+    preload_env,
+    thread_binding,
+)
 from minipic.span_contract.env import ENABLE_ENV
 from minipic.span_contract.span_config import ALL_FEATURES, SpanConfig
 from minipic.span_contract.span_store_config import SpanStoreConfig
@@ -210,20 +215,24 @@ class EngineSettings(BaseModel):
         }
 
     def executor_args(self, vllm_args: Sequence[str] = ()) -> dict[str, Any]:
-        """On CPU, one engine without parallelism runs its worker inside the EngineCore process,
-        as vLLM does on a GPU.
+        """On a CPU with one NUMA node, one engine without parallelism runs its worker inside
+        the EngineCore process, as vLLM does on a GPU.
 
-        Why: vLLM's CPU platform gives the single worker a process of its own beside the
-        EngineCore, and each of the two processes spawns and imports vLLM and torch again:
-        measured on a 2-core machine, an eager engine started in 35 s and closed in 6 s that
-        way, in 23 s and 3.5 s with the worker inside. The worker does the same in either
-        process (it binds its OpenMP threads where it runs, and the EngineCore is a process of
-        its own). Named by path: the name ``uni`` would be turned back into ``mp``. Any
-        parallelism, or an executor the caller chose (in ``extra`` or in vLLM's own flags,
-        ``vllm_args``), keeps vLLM's choice.
+        Why: vLLM's CPU platform gives the single worker a process of its own, which imports
+        vLLM and torch again and computes on every core but one (the one vLLM reserves for the
+        EngineCore's scheduling, which waits on the worker at every step). Inside the
+        EngineCore, the worker computes on every core and the engine starts without the second
+        import: measured side by side on 2 cores (``benchmarks/engine_layout.py``), start 0.49x,
+        TTFT 0.52x, decode tokens/s 1.3-1.5x. Named by path: vLLM's CPU platform turns the name
+        ``uni`` back into ``mp``. Kept as vLLM chooses: any parallelism; an executor the caller
+        chose (``extra``, or vLLM's own flags in ``vllm_args``); a thread binding the user set
+        (vLLM applies it only to a worker process); several NUMA nodes (vLLM binds its worker's
+        threads and memory to one node; unbound threads would cross nodes).
         """
         if not _is_cpu() or any(k.endswith("_parallel_size") and int(v or 1) > 1
                                 for k, v in self.extra.items()):
+            return {}
+        if os.environ.get(THREADS_BIND_ENV, "auto") != "auto" or numa_nodes() != 1:
             return {}
         if "distributed_executor_backend" in self.extra or any(
                 arg.split("=", 1)[0] in _PARALLEL_FLAGS for arg in vllm_args):

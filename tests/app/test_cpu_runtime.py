@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from minipic.span_contract import cpu_runtime
-from minipic.span_contract.cpu_runtime import PRELOAD_ENV, plan, preload_env
+from minipic.span_contract.cpu_runtime import PRELOAD_ENV, THREADS_BIND_ENV, plan, preload_env
 
 pytestmark = pytest.mark.shares("tiny_stock")
 
@@ -214,6 +214,8 @@ def test_one_cpu_engine_runs_its_worker_inside_the_engine_core(monkeypatch) -> N
     from minipic.span_contract.engine_config import IN_ENGINE_CORE_EXECUTOR, EngineSettings
 
     monkeypatch.setattr(engine_config, "_is_cpu", lambda: True)
+    monkeypatch.setattr(engine_config, "numa_nodes", lambda: 1)
+    monkeypatch.delenv(THREADS_BIND_ENV, raising=False)
     flag = "--distributed-executor-backend"
     plain = EngineSettings(model="tiny-llama").resolved()
     assert plain.llm_kwargs()["distributed_executor_backend"] == IN_ENGINE_CORE_EXECUTOR
@@ -226,5 +228,19 @@ def test_one_cpu_engine_runs_its_worker_inside_the_engine_core(monkeypatch) -> N
     assert "distributed_executor_backend" not in ranks.llm_kwargs()
     chosen = EngineSettings(model="tiny-llama", extra={"distributed_executor_backend": "mp"})
     assert chosen.resolved().llm_kwargs()["distributed_executor_backend"] == "mp"
+    monkeypatch.setenv(THREADS_BIND_ENV, "0")  # the user's binding: only a worker process gets it
+    assert "distributed_executor_backend" not in plain.llm_kwargs()
+    monkeypatch.setenv(THREADS_BIND_ENV, "auto")
+    monkeypatch.setattr(engine_config, "numa_nodes", lambda: 2)
+    assert "distributed_executor_backend" not in plain.llm_kwargs()
+    monkeypatch.setattr(engine_config, "numa_nodes", lambda: 1)
     monkeypatch.setattr(engine_config, "_is_cpu", lambda: False)
     assert "distributed_executor_backend" not in plain.llm_kwargs()
+
+
+@pytest.mark.fast
+def test_numa_nodes_are_counted_from_sysfs(tmp_path: Path) -> None:
+    for name in ("node0", "node1", "possible", "has_cpu", "nodex"):
+        (tmp_path / name).mkdir()
+    assert cpu_runtime.numa_nodes(tmp_path) == 2
+    assert cpu_runtime.numa_nodes(tmp_path / "missing") == 0
