@@ -50,14 +50,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from minipic.engine_ext.span_store.tiers import (  # noqa: E402
-    FORMAT_VERSION,
     HASHED_HEADER_BYTES,
-    MAGIC,
     DirTier,
     Entry,
     TieredStore,
 )
 from minipic.engine_ext.span_store.tiers.files import SECRET_NAME, entry_mac, key_id  # noqa: E402
+from minipic.engine_ext.span_store.tiers.format import hashed_header  # noqa: E402
 
 FINGERPRINT = "fault-injection|model=tiny|dtype=float32|bs=16"
 KINDS = ("bit_flip", "truncate", "extend", "foreign_fingerprint", "forged_unkeyed",
@@ -80,8 +79,7 @@ def _forge(key: str, entry: Entry, mac_key: bytes | None, fingerprint: str = FIN
     fp, meta = fingerprint.encode(), entry.meta_json
     if claimed_key_id is None:
         claimed_key_id = key_id(mac_key) if mac_key is not None else bytes(8)
-    fixed = struct.pack("<8sHHIQ8s", MAGIC, FORMAT_VERSION, len(fp), len(meta),
-                        len(entry.payload), claimed_key_id)
+    fixed = hashed_header(fp, meta, len(entry.payload), claimed_key_id)
     if mac_key is None:
         key_b = key.encode()
         digest = hashlib.sha256(fixed[:HASHED_HEADER_BYTES] + struct.pack("<H", len(key_b))

@@ -40,14 +40,18 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from minipic.engine_ext.hashing.span_hashing import span_chained_blocks
 from minipic.engine_ext.holes.scheduler_steps import step_ranges
 from minipic.engine_ext.span_store.keys import entry_key, rank_key
 from minipic.engine_ext.span_store.metrics import StatsDelta
 from minipic.span_contract.span_config import SpanConfig, spans_opted_in
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 logger = logging.getLogger("vllm.minipic.span_store")
 
@@ -269,23 +273,14 @@ class StoreLookup:
 
     def _decided_fills(self, loaded: list[tuple[int, str]], failed: list[int]
                        ) -> tuple[list[tuple[int, str]], set[int]]:
-        """The fills every rank has now reported: (loaded with a source, failed ids)."""
-        touched: list[int] = []
-        for block_id, source in loaded:
-            self.fill_reports.setdefault(block_id, []).append(source)
-            touched.append(block_id)
-        for block_id in failed:
-            self.fill_reports.setdefault(block_id, []).append(None)
-            touched.append(block_id)
+        """The fills every rank has now reported: (loaded with a source, failed ids). Until
+        then the block stays held: another rank's read has not landed yet."""
+        new = [*loaded, *((block_id, None) for block_id in failed)]
         done_loaded: list[tuple[int, str]] = []
         done_failed: set[int] = set()
-        for block_id in dict.fromkeys(touched):
-            reports = self.fill_reports[block_id]
-            if len(reports) < self.ranks:
-                continue  # another rank's read has not landed yet: the block stays held
-            del self.fill_reports[block_id]
-            if all(source is not None for source in reports):
-                done_loaded.append((block_id, str(reports[0])))
+        for block_id, sources in _decided(self.fill_reports, new, self.ranks):
+            if all(source is not None for source in sources):
+                done_loaded.append((block_id, str(sources[0])))
             else:
                 done_failed.add(block_id)
         return done_loaded, done_failed
@@ -293,18 +288,11 @@ class StoreLookup:
     def _decided_saves(self, saved: list[str], not_saved: list[str]
                        ) -> tuple[list[str], list[str]]:
         """The saves every rank has now reported: (saved by all, not saved by some)."""
-        touched: list[str] = []
-        for key, ok in [(k, True) for k in saved] + [(k, False) for k in not_saved]:
-            self.save_reports.setdefault(key, []).append(ok)
-            touched.append(key)
+        new = [*((key, True) for key in saved), *((key, False) for key in not_saved)]
         done_saved: list[str] = []
         done_not: list[str] = []
-        for key in dict.fromkeys(touched):
-            reports = self.save_reports[key]
-            if len(reports) < self.ranks:
-                continue
-            del self.save_reports[key]
-            (done_saved if all(reports) else done_not).append(key)
+        for key, oks in _decided(self.save_reports, new, self.ranks):
+            (done_saved if all(oks) else done_not).append(key)
         return done_saved, done_not
 
     def _finish(self, block_id: int) -> _Load | None:
@@ -335,3 +323,16 @@ class StoreLookup:
         return {"counts": dict(self.counts), "known_keys": len(self.known),
                 "in_flight": len(self.in_flight),
                 "tiers": [tier.stats() for tier in self.tiers]}
+
+
+def _decided(reports: dict[K, list[V]], new: Iterable[tuple[K, V]], ranks: int
+             ) -> list[tuple[K, list[V]]]:
+    """Adds one step's reports (from any rank) to ``reports``; returns, and forgets, every key
+    this step touched that all ``ranks`` have now reported, with their reports, in first-seen
+    order. Under tensor parallelism each rank holds its own part of a block, so a block is
+    loaded (or a save done) only when every rank says so."""
+    touched: dict[K, None] = {}
+    for key, value in new:
+        reports.setdefault(key, []).append(value)
+        touched[key] = None
+    return [(key, reports.pop(key)) for key in touched if len(reports[key]) >= ranks]

@@ -119,12 +119,14 @@ def _same_logprobs(a: object, b: object) -> bool:
 def _entries_under_current_secret(store_dir: Path) -> list[Path]:
     """Entry files whose header names the key id of the store's secret now."""
     from minipic.engine_ext.span_store.tiers.files import SECRET_NAME, key_id
+    from minipic.engine_ext.span_store.tiers.format import HEADER, unpack_header
 
     kid = key_id((store_dir / SECRET_NAME).read_bytes())
     found = []
     for path in _entries(store_dir):
         with contextlib.suppress(OSError), path.open("rb") as fh:
-            if fh.read(32)[24:32] == kid:
+            header = unpack_header(fh.read(HEADER.size))
+            if not isinstance(header, str) and header.key_id == kid:
                 found.append(path)
     return found
 

@@ -87,12 +87,16 @@ def unpack_header(head: bytes) -> Header | str:
     return Header(version, fp_len, meta_len, payload_len, kid, digest)
 
 
+def hashed_header(fingerprint: bytes, meta_json: bytes, payload_len: int, kid: bytes) -> bytes:
+    """The header up to its digest (the part the digest covers), naming key id ``kid``."""
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, len(fingerprint), len(meta_json), payload_len, kid)
+
+
 def encode_entry(key: str, entry: Entry, fingerprint: bytes, secret: bytes) -> list[bytes]:
     """The file's bytes for ``entry`` under ``key``, in parts (header, fingerprint, metadata,
     payload) so the payload is written without a copy."""
     meta_json = entry.meta_json
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(fingerprint), len(meta_json),
-                        len(entry.payload), key_id(secret))
+    fixed = hashed_header(fingerprint, meta_json, len(entry.payload), key_id(secret))
     mac = entry_mac(secret, fixed, key, fingerprint, meta_json, entry.payload)
     return [fixed + mac, fingerprint, meta_json, entry.payload]
 
