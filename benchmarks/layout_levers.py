@@ -75,10 +75,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -144,15 +141,6 @@ def lever_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
         logits = logits + attention_mask
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(weights, values).transpose(1, 2).contiguous(), None
-
-
-def register(model: Any) -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(ATTN, lever_attention)
-    AttentionMaskInterface.register(ATTN, ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # generate()
-    model.set_attn_implementation(ATTN)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,20 +366,8 @@ def evaluate_item(model: Any, builder: Any, item: Any, args: argparse.Namespace,
 
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
-    common = dict(question=item.question, system=item.system, spans=list(item.documents),
-                  max_tokens=args.max_tokens)
-    plain = builder.build(mode="prefix", **common)
-    built = builder.build(mode="block_attention", **common)
-    prompt = list(plain.prompt_token_ids)
-    answer = ss.greedy_answer(model, prompt, args.max_tokens, builder.tokenizer.eos_token_id)
-    timing["generate_s"] = time.perf_counter() - t0
-
-    t = time.perf_counter()
-    full_ids = prompt + answer
-    p = ss.forward(model, full_ids, range(len(full_ids)), ss.causal(len(full_ids)),
-                   range(len(prompt) - 1, len(full_ids) - 1))
-    timing["reference_pass_s"] = time.perf_counter() - t
-
+    plain, built, answer, p = ss.reference_pass(model, builder, item, args.max_tokens, timing,
+                                                "reference_pass_s")
     it = item_of(built, plain, answer)
     n = it.total
     drop = not args.keep_layout_tokens
@@ -436,20 +412,16 @@ def evaluate_item(model: Any, builder: Any, item: Any, args: argparse.Namespace,
         m["greedy_same"] = float(m["answer_agree"] == 1.0)
         variants[name] = m
     record: dict[str, Any] = {
-        "id": item.id, "documents": len(item.documents), "prefix_tokens": len(prompt),
+        "id": item.id, "documents": len(item.documents),
+        "prefix_tokens": len(plain.prompt_token_ids),
         "layout_tokens": it.prompt_len, "layout_only_tokens": int(it.layout[: it.prompt_len]
                                                                    .sum()),
         "sink_tokens": len(it.sink), "answer_tokens": len(answer),
         "sink_starts_with_bos": it.ids[int(it.sink[0])] == builder.tokenizer.bos_token_id,
         "answer": builder.decode(answer), "variants": variants,
     }
-    if args.check:
-        t = time.perf_counter()
-        record["check"] = checks(model, p, q, it, passes, kv, args, reference)
-        timing["check_s"] = time.perf_counter() - t
-    timing["item_s"] = time.perf_counter() - t0
-    record["timing"] = timing
-    return record
+    check = (lambda: checks(model, p, q, it, passes, kv, args, reference)) if args.check else None
+    return ss.finish_record(record, timing, t0, check)
 
 
 CHECK_KL = 1e-5  # KL(plain || everything recomputed, markers invisible, logical positions)
@@ -502,13 +474,7 @@ def checks(model: Any, p: torch.Tensor, q: dict[str, torch.Tensor], it: Item,
 
 def summarize(records: list[dict[str, Any]], names: Sequence[str], resamples: int = 2000,
               seed: int = 0) -> dict[str, Any]:
-    from minipic.eval import metrics
-
-    idx = metrics.bootstrap_indices(len(records), resamples, seed)
-
-    def ci(values: Sequence[float]) -> dict[str, Any]:
-        mean, low, high = metrics.bootstrap_ci(values, indices=idx)
-        return {"mean": mean, "ci95": [low, high]}
+    ci = ss.paired_ci(len(records), resamples, seed)
 
     def series(name: str, key: str) -> np.ndarray:
         return np.array([r["variants"][name][key] for r in records])
@@ -552,27 +518,22 @@ def table(report: dict[str, Any]) -> str:
                   f"{meta['sink_tokens']} tokens; all_recomputed@{LOG} vs the plain prompt: "
                   f"largest per-token KL over every item "
                   f"{meta['all_recomputed_logical_kl_max']:.2g}"]
-    if "check" in meta:
-        c = meta["check"]
-        lines.append(f"checks (max over items): all_recomputed@{LOG} vs the plain prompt: KL "
-                     f"{c['all_recomputed_logical_kl_max']:.2g}, |Δ logprob| "
-                     f"{c['all_recomputed_logical_max_abs_logprob_diff']:.2g}; today vs "
-                     f"PicReference.logprobs |Δ logprob| "
-                     f"{c['today_vs_pic_reference_max_abs_logprob_diff']:.2g}; layout tokens "
-                     f"dropped vs kept {c['dropped_vs_kept_layout_max_abs_logprob_diff']:.2g}"
-                     + (f"; APE question-only pass vs whole pass "
-                        f"{c['ape_cached_vs_whole_max_abs_logprob_diff']:.2g}, at T = 1 vs its "
-                        f"base {c['ape_t1_vs_base_max_abs_logprob_diff']:.2g}"
-                        if "ape_t1_vs_base_max_abs_logprob_diff" in c else ""))
+    lines += ss.checks_line(meta, lambda c: (
+        f"all_recomputed@{LOG} vs the plain prompt: KL {c['all_recomputed_logical_kl_max']:.2g}, "
+        f"|Δ logprob| {c['all_recomputed_logical_max_abs_logprob_diff']:.2g}; today vs "
+        f"PicReference.logprobs |Δ logprob| "
+        f"{c['today_vs_pic_reference_max_abs_logprob_diff']:.2g}; layout tokens dropped vs kept "
+        f"{c['dropped_vs_kept_layout_max_abs_logprob_diff']:.2g}"
+        + (f"; APE question-only pass vs whole pass "
+           f"{c['ape_cached_vs_whole_max_abs_logprob_diff']:.2g}, at T = 1 vs its base "
+           f"{c['ape_t1_vs_base_max_abs_logprob_diff']:.2g}"
+           if "ape_t1_vs_base_max_abs_logprob_diff" in c else "")))
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(report: dict[str, Any], plt: Any) -> Any:
+    """KL per variant, with its CI (``plt``: pyplot; ``selective_signal.write_report`` saves
+    it)."""
     s = report["summary"]
     names = list(s)
     means = [s[k]["kl"]["mean"] for k in names]
@@ -590,9 +551,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("mean KL(full attention || variant) per answer token, 95% CI")
     ax.set_title(f"Layout levers on the block_attention layout, n = {report['meta']['n']} "
                  f"(gray: everything recomputed)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,8 +570,7 @@ def floats(text: str, what: str, ap: argparse.ArgumentParser) -> list[float]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ss.argument_parser(__doc__)
     ap.add_argument("--n", type=int, default=300, help="items: the first N (default 300)")
     ap.add_argument("--data", default="results/fidelity/items.jsonl",
                     help="a .jsonl of {id, question, documents, answer?, system?} (default "
@@ -641,69 +599,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-limit", type=float, default=None,
                     help="minutes: take no new item after this and write what ran (default: "
                          "none)")
-    ap.add_argument("--model", default=None, help="model folder (default SmolLM2-135M)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--check", action="store_true",
-                    help="per item (one extra pass): assert all_recomputed with invisible markers "
-                         f"and logical positions equals the plain prompt (KL < {CHECK_KL:g}, "
-                         f"|Δ logprob| < {CHECK_LOGPROB:g}) and that `today` equals "
-                         "tests/support/pic_reference.py's PicReference.logprobs")
-    ap.add_argument("--out", type=Path, default=Path("results/layout_levers"),
-                    help="output folder (default results/layout_levers)")
-    args = ap.parse_args(argv)
+    args = ss.parse_common(
+        ap, argv, out="results/layout_levers",
+        check_help="per item (one extra pass): assert all_recomputed with invisible markers and "
+                   f"logical positions equals the plain prompt (KL < {CHECK_KL:g}, |Δ logprob| "
+                   f"< {CHECK_LOGPROB:g}) and that `today` equals tests/support/pic_reference.py's "
+                   "PicReference.logprobs")
     args.temps = floats(args.temps, "--temps", ap)
     args.scales = floats(args.scales, "--scales", ap) or [1.0]
     args.temp_bases = [b for b in args.temp_bases.split(",") if b]
     if bad := [b for b in args.temp_bases if b not in (SINK, ADJ)]:
         ap.error(f"--temp-bases: {bad} not in {SINK}, {ADJ}")
-    low, _, high = args.passages.partition("-")
-    args.passages = (int(low), int(high or low))
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    started, model_dir, builder, model = ss.setup(args, ATTN, lever_attention)
     from support.pic_reference import PicReference
-    from tqdm import tqdm
 
-    from minipic.eval.datasets import builtin_items, load_jsonl
-    from minipic.eval.runner import finite
-    from minipic.prompt_builder import PromptBuilder
-    from minipic.span_contract.models import resolve_model
-    from minipic.span_contract.special_tokens import span_config_for_model
-
-    started = time.perf_counter()
-    model_dir = resolve_model(args.model)
-    span = span_config_for_model(model_dir, 32)
-    builder = PromptBuilder.from_pretrained(model_dir, block_size=32, ssep_id=span.ssep_id,
-                                            pdep_id=span.pdep_id, pad_id=span.pad_id,
-                                            max_model_len=2048)
     # its own eager model: the --check cross-reference
     reference = PicReference(model_dir) if args.check else None
-    model = PicReference(model_dir).model
-    register(model)
-
-    errors: list[dict[str, Any]] = []
-    if args.data.endswith(".jsonl"):
-        loaded = load_jsonl(args.data)
-        items, errors = loaded.items[: args.n], list(loaded.errors)
-    else:
-        items = builtin_items(args.data, args.n, args.seed, args.passages, args.max_words)
-    records = []
-    for item in tqdm(items, desc="items", unit="item"):
-        if args.time_limit and time.perf_counter() - started > args.time_limit * 60:
-            print(f"--time-limit: stopped after {len(records)} items")
-            break
-        try:
-            records.append(evaluate_item(model, builder, item, args, reference))
-        except AssertionError:
-            raise
-        except Exception as exc:  # one bad item (too long, ...) never loses the others
-            errors.append({"id": item.id, "error": f"{type(exc).__name__}: {exc}"[:500]})
+    records, errors, requested = ss.run_items(
+        args, lambda _, item: evaluate_item(model, builder, item, args, reference), started,
+        args.time_limit)
     if not records:
-        print(f"no item ran: {errors}")
         return 1
     wall = time.perf_counter() - started
     names = variant_names(args)
@@ -714,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "n": len(records), "data": args.data, "model": model_dir,
         "model_name": Path(model_dir).name, "dtype": "float32", "block_size": 32,
         "max_tokens": args.max_tokens, "temps": args.temps, "scales": args.scales,
-        "temp_bases": args.temp_bases, "items_requested": len(items),
+        "temp_bases": args.temp_bases, "items_requested": requested,
         "sink": "the plain prompt's tokens before the first document (chat template head + "
                 "system prompt + user-turn header); its first token is the tokenizer's BOS",
         "sink_tokens": sorted({r["sink_tokens"] for r in records}),
@@ -722,30 +642,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mean_prefix_tokens": float(np.mean([r["prefix_tokens"] for r in records])),
         "mean_layout_tokens": float(np.mean([r["layout_tokens"] for r in records])),
         "mean_layout_only_tokens": float(np.mean([r["layout_only_tokens"] for r in records])),
-        "machine": {"platform": platform.platform(), "cpu": platform.machine(),
-                    "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__},
-        "threads": torch.get_num_threads(), "wall_s": wall,
-        "seconds_per_item": float(np.mean([r["timing"]["item_s"] for r in records])),
-        "timing_mean": {k: float(np.mean([r["timing"][k] for r in records]))
-                        for k in records[0]["timing"]},
+        **ss.run_meta(records, wall, processor=True),
         "variants": names,
         "all_recomputed_logical_kl_max": max(r["variants"][f"{ALL}@{LOG}"]["kl_max"]
                                              for r in records),
     }
     if args.check:
         meta["check"] = {k: max(r["check"][k] for r in records) for k in records[0]["check"]}
-    report = {"meta": meta, "summary": summarize(records, names, seed=args.seed),
-              "errors": errors, "items": records}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "levers.json").write_text(json.dumps(finite(report), indent=1))
-    text = table(report)
-    (args.out / "levers.md").write_text(text + "\n")
-    plot(report, args.out / "levers.png")
-    print(text)
-    if errors:
-        print(f"{len(errors)} item(s) failed: {errors}")
-    print(f"wrote {args.out}/levers.json, .md, .png in {wall:.0f} s")
+    ss.write_report(args.out, "levers", meta, summarize(records, names, seed=args.seed), errors,
+                    records, table, plot, wall)
     return 0
 
 

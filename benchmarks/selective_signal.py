@@ -59,7 +59,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,13 +126,15 @@ def probe_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     return out, None
 
 
-def register_probe(model: Any) -> None:
+def register_attention(model: Any, name: str, attention: Callable[..., Any]) -> None:
+    """``attention`` as ``model``'s attention function, registered as ``name``; generate() keeps
+    eager's mask function."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(ATTN, probe_attention)
-    AttentionMaskInterface.register(ATTN, ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # generate()
-    model.set_attn_implementation(ATTN)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # generate()
+    model.set_attn_implementation(name)
 
 
 @torch.inference_mode()
@@ -278,6 +280,41 @@ def compare(p: torch.Tensor, q: torch.Tensor, answer: list[int], k: int = 20) ->
 # ---------------------------------------------------------------------------------------------
 
 
+def reference_pass(model: Any, builder: Any, item: Any, max_tokens: int, timing: dict[str, float],
+                   pass_key: str) -> tuple[Any, Any, list[int], torch.Tensor]:
+    """The item's ``prefix`` (the plain prompt) and ``block_attention`` builds, the greedy
+    answer ``A`` under full attention on the plain prompt (up to ``max_tokens``, EOS included
+    when produced) and, teacher-forced, the reference ``p``: the next-token logprobs over ``A``.
+    ``timing`` gets ``generate_s`` (the builds and ``A``) and ``pass_key`` (the pass of ``p``)."""
+    t0 = time.perf_counter()
+    common = dict(question=item.question, system=item.system, spans=list(item.documents),
+                  max_tokens=max_tokens)
+    plain = builder.build(mode="prefix", **common)
+    built = builder.build(mode="block_attention", **common)
+    prompt = list(plain.prompt_token_ids)
+    answer = greedy_answer(model, prompt, max_tokens, builder.tokenizer.eos_token_id)
+    timing["generate_s"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    ids = prompt + answer
+    p = forward(model, ids, range(len(ids)), causal(len(ids)), range(len(prompt) - 1, len(ids) - 1))
+    timing[pass_key] = time.perf_counter() - t
+    return plain, built, answer, p
+
+
+def finish_record(record: dict[str, Any], timing: dict[str, float], t0: float,
+                  check: Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
+    """``record`` with its ``check`` (``--check``: ``check()``, timed as ``check_s``) and then its
+    ``timing``, ``item_s`` counted from ``t0``, the item's start."""
+    if check is not None:
+        t = time.perf_counter()
+        record["check"] = check()
+        timing["check_s"] = time.perf_counter() - t
+    timing["item_s"] = time.perf_counter() - t0
+    record["timing"] = timing
+    return record
+
+
 def signals_of(lay: Layout, mass: dict[int, torch.Tensor], kv_block: tuple[dict, dict],
                kv_full: tuple[dict, dict], attn_layer: int, names: Sequence[str],
                rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -305,21 +342,8 @@ def evaluate_item(model: Any, builder: Any, item: Any, index: int,
 
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
-    common = dict(question=item.question, system=item.system, spans=list(item.documents),
-                  max_tokens=args.max_tokens)
-    full_built = builder.build(mode="prefix", **common)
-    built = builder.build(mode="block_attention", **common)
-    eos = builder.tokenizer.eos_token_id
-    prompt = list(full_built.prompt_token_ids)
-    answer = greedy_answer(model, prompt, args.max_tokens, eos)
-    timing["generate_s"] = time.perf_counter() - t0
-
-    t = time.perf_counter()
-    ids = prompt + answer
-    rows = range(len(prompt) - 1, len(ids) - 1)
-    p = forward(model, ids, range(len(ids)), causal(len(ids)), rows)
-    timing["full_pass_s"] = time.perf_counter() - t
-
+    full_built, built, answer, p = reference_pass(model, builder, item, args.max_tokens, timing,
+                                                  "full_pass_s")
     lay = layout_of(built, answer)
     total = len(lay.ids)
     rows = range(lay.prompt_len - 1, total - 1)
@@ -355,19 +379,16 @@ def evaluate_item(model: Any, builder: Any, item: Any, index: int,
     timing["selective_pass_s"] = timing["selective_s"] / max(1, passes)
 
     record: dict[str, Any] = {
-        "id": item.id, "documents": len(item.documents), "prefix_tokens": len(prompt),
-        "layout_tokens": lay.prompt_len, "span_content_tokens": int(len(lay.content)),
+        "id": item.id, "documents": len(item.documents),
+        "prefix_tokens": len(full_built.prompt_token_ids), "layout_tokens": lay.prompt_len,
+        "span_content_tokens": int(len(lay.content)),
         "span_blocks": int(len(np.unique(lay.block_of))), "answer_tokens": len(answer),
         "answer": builder.decode(answer), "block_attention": compare(p, q_block, answer),
         "layout_full": compare(p, q_layout, answer), "configs": configs,
     }
-    if args.check:
-        t = time.perf_counter()
-        record["check"] = sanity_checks(model, lay, kv, q_block, q_layout, scores)
-        timing["check_s"] = time.perf_counter() - t
-    timing["item_s"] = time.perf_counter() - t0
-    record["timing"] = timing
-    return record
+    return finish_record(record, timing, t0,
+                         (lambda: sanity_checks(model, lay, kv, q_block, q_layout, scores))
+                         if args.check else None)
 
 
 def sanity_checks(model: Any, lay: Layout, kv: tuple[list, list], q_block: torch.Tensor,
@@ -416,16 +437,25 @@ def sanity_checks(model: Any, lay: Layout, kv: tuple[list, list], q_block: torch
 # ---------------------------------------------------------------------------------------------
 
 
-def summarize(records: list[dict[str, Any]], resamples: int = 2000,
-              seed: int = 0) -> dict[str, Any]:
+def paired_ci(n: int, resamples: int = 2000,
+              seed: int = 0) -> Callable[[Sequence[float]], dict[str, Any]]:
+    """Eval's bootstrap mean and 95% CI of ``n`` per-item values, every call over the one index
+    set drawn here: all CIs of a run resample the same items, so a difference between two
+    configurations is paired."""
     from minipic.eval import metrics
 
-    idx = metrics.bootstrap_indices(len(records), resamples, seed)
+    idx = metrics.bootstrap_indices(n, resamples, seed)
 
     def ci(values: Sequence[float]) -> dict[str, Any]:
         mean, low, high = metrics.bootstrap_ci(values, indices=idx)
         return {"mean": mean, "ci95": [low, high]}
 
+    return ci
+
+
+def summarize(records: list[dict[str, Any]], resamples: int = 2000,
+              seed: int = 0) -> dict[str, Any]:
+    ci = paired_ci(len(records), resamples, seed)
     base = [r["block_attention"]["kl"] for r in records]
     out: dict[str, Any] = {}
     for name in ("block_attention", "layout_full"):
@@ -455,6 +485,14 @@ def _fmt_ci(entry: dict[str, Any], scale: float = 1.0, digits: int = 3) -> str:
     return f"{entry['mean'] * scale:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
+def checks_line(meta: dict[str, Any], describe: Callable[[dict[str, Any]], str]) -> list[str]:
+    """A table's last line when the run made the ``--check`` measurements: ``describe`` of
+    their maxima over the items (none without ``--check``)."""
+    if "check" not in meta:
+        return []
+    return [f"checks (max over items): {describe(meta['check'])}"]
+
+
 def table(report: dict[str, Any]) -> str:
     s = report["summary"]
     meta = report["meta"]
@@ -482,25 +520,18 @@ def table(report: dict[str, Any]) -> str:
     lines += ["", f"block_attention top-20 KL (eval's estimator): "
                   f"{s['block_attention']['kl_top20']['mean']:.3f}; "
                   f"{meta['seconds_per_item']:.1f} s per item on {meta['threads']} thread(s)"]
-    if "check" in meta:
-        c = meta["check"]
-        lines.append(f"checks (max over items): budget 0 vs block pass "
-                     f"{c['budget0_max_abs_logprob_diff']:.2g}, all recomputed vs full causal "
-                     f"{c['all_max_abs_logprob_diff']:.2g}, half the spans whole vs single "
-                     f"mixed-mask pass {c['whole_spans_max_abs_logprob_diff']:.2g} (max |Δ "
-                     f"logprob|); single mixed-mask pass vs engine semantics "
-                     f"({c['mixed_mask_vs_engine_selection']}): KL up to "
-                     f"{c['mixed_mask_vs_engine_kl']:.3f}, |Δ logprob| up to "
-                     f"{c['mixed_mask_vs_engine_max_abs_logprob_diff']:.2f}")
+    lines += checks_line(meta, lambda c: (
+        f"budget 0 vs block pass {c['budget0_max_abs_logprob_diff']:.2g}, all recomputed vs "
+        f"full causal {c['all_max_abs_logprob_diff']:.2g}, half the spans whole vs single "
+        f"mixed-mask pass {c['whole_spans_max_abs_logprob_diff']:.2g} (max |Δ logprob|); "
+        f"single mixed-mask pass vs engine semantics ({c['mixed_mask_vs_engine_selection']}): "
+        f"KL up to {c['mixed_mask_vs_engine_kl']:.3f}, |Δ logprob| up to "
+        f"{c['mixed_mask_vs_engine_max_abs_logprob_diff']:.2f}"))
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(report: dict[str, Any], plt: Any) -> Any:
+    """The KL-vs-budget figure (``plt``: pyplot; ``write_report`` saves it)."""
     s = report["summary"]
     fig, ax = plt.subplots(figsize=(8, 5))
     budgets = report["meta"]["budgets"]
@@ -522,10 +553,137 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_title(f"Selective recompute signals, n = {report['meta']['n']}")
     ax.set_xlim(left=0)
     ax.legend(fontsize=7, ncol=2, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    return fig
 
+
+# ---------------------------------------------------------------------------------------------
+# the run: options, set-up, items, report (benchmarks/layout_levers.py's too)
+# ---------------------------------------------------------------------------------------------
+
+
+def argument_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A script's parser: its module docstring as the description, line breaks kept."""
+    return argparse.ArgumentParser(description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parse_common(ap: argparse.ArgumentParser, argv: Sequence[str] | None, *, check_help: str,
+                 out: str) -> argparse.Namespace:
+    """``ap`` with the options every script of this kind ends with (``--model``, ``--threads``,
+    ``--check``, ``--out``), parsed; ``--passages`` MIN-MAX becomes ``(MIN, MAX)``."""
+    ap.add_argument("--model", default=None, help="model folder (default SmolLM2-135M)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--check", action="store_true", help=check_help)
+    ap.add_argument("--out", type=Path, default=Path(out), help=f"output folder (default {out})")
+    args = ap.parse_args(argv)
+    low, _, high = args.passages.partition("-")
+    args.passages = (int(low), int(high or low))
+    return args
+
+
+def setup(args: argparse.Namespace, attn: str,
+          attention: Callable[..., Any]) -> tuple[float, str, Any, Any]:
+    """What a run needs before its first item: ``--threads``; the model folder (``--model``,
+    default SmolLM2-135M); the engine's PromptBuilder for it (the model's span config, blocks of
+    32, max_model_len 2048: the SDK's real layouts); the fp32 eager model of
+    ``tests/support/pic_reference.py`` with ``attention`` as its attention function (``attn``).
+    Returned first: the start of the run's clock, after the imports, as ``wall_s`` counts."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from support.pic_reference import PicReference
+
+    from minipic.prompt_builder import PromptBuilder
+    from minipic.span_contract.models import resolve_model
+    from minipic.span_contract.special_tokens import span_config_for_model
+
+    started = time.perf_counter()
+    model_dir = resolve_model(args.model)
+    span = span_config_for_model(model_dir, 32)
+    builder = PromptBuilder.from_pretrained(model_dir, block_size=32, ssep_id=span.ssep_id,
+                                            pdep_id=span.pdep_id, pad_id=span.pad_id,
+                                            max_model_len=2048)
+    model = PicReference(model_dir).model
+    register_attention(model, attn, attention)
+    return started, model_dir, builder, model
+
+
+def run_items(args: argparse.Namespace, evaluate: Callable[[int, Any], dict[str, Any]],
+              started: float, time_limit: float | None = None
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """The first ``--n`` items of ``--data`` (a .jsonl, or a built-in set as minipic eval with
+    ``--seed``, ``--passages``, ``--max-words``), each through ``evaluate(index, item)``; with
+    ``time_limit`` (minutes since ``started``) no item starts after it. Returns the records,
+    the errors (the file's bad lines, then the items that failed) and how many items there
+    were; says so when no item ran."""
+    from tqdm import tqdm
+
+    from minipic.eval.datasets import builtin_items, load_jsonl
+
+    errors: list[dict[str, Any]] = []
+    if args.data.endswith(".jsonl"):
+        loaded = load_jsonl(args.data)
+        items, errors = loaded.items[: args.n], list(loaded.errors)
+    else:
+        items = builtin_items(args.data, args.n, args.seed, args.passages, args.max_words)
+    records = []
+    for index, item in enumerate(tqdm(items, desc="items", unit="item")):
+        if time_limit and time.perf_counter() - started > time_limit * 60:
+            print(f"--time-limit: stopped after {len(records)} items")
+            break
+        try:
+            records.append(evaluate(index, item))
+        except AssertionError:  # a --check failed: the run is wrong, not the item
+            raise
+        except Exception as exc:  # one bad item (too long, ...) never loses the others
+            errors.append({"id": item.id, "error": f"{type(exc).__name__}: {exc}"[:500]})
+    if not records:
+        print(f"no item ran: {errors}")
+    return records, errors, len(items)
+
+
+def run_meta(records: list[dict[str, Any]], wall: float, *,
+             processor: bool = False) -> dict[str, Any]:
+    """The meta's machine and times: the machine (``processor``: with ``platform.processor()``,
+    which layout_levers records), torch's threads, the wall time, the mean seconds per item and
+    the mean of every per-item timing."""
+    machine = {"platform": platform.platform(), "cpu": platform.machine()}
+    if processor:
+        machine["processor"] = platform.processor()
+    machine.update(cpus=os.cpu_count(), python=platform.python_version(),
+                   torch=torch.__version__)
+    return {"machine": machine, "threads": torch.get_num_threads(), "wall_s": wall,
+            "seconds_per_item": float(np.mean([r["timing"]["item_s"] for r in records])),
+            "timing_mean": {k: float(np.mean([r["timing"][k] for r in records]))
+                            for k in records[0]["timing"]}}
+
+
+def write_report(out: Path, stem: str, meta: dict[str, Any], summary: dict[str, Any],
+                 errors: list[dict[str, Any]], records: list[dict[str, Any]],
+                 table: Callable[[dict[str, Any]], str], plot: Callable[[dict[str, Any], Any], Any],
+                 wall: float) -> None:
+    """``<stem>.json`` (meta, summary, errors, per-item records; NaN / inf as null),
+    ``<stem>.md`` (``table(report)``, printed too) and ``<stem>.png`` (``plot(report, pyplot)``'s
+    figure) in ``out``."""
+    from minipic.eval.runner import finite
+
+    report = {"meta": meta, "summary": summary, "errors": errors, "items": records}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(finite(report), indent=1))
+    text = table(report)
+    (out / f"{stem}.md").write_text(text + "\n")
+    import matplotlib  # only now: the JSON and the table are written whatever matplotlib does
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plot(report, plt)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=130)
+    plt.close(fig)
+    print(text)
+    if errors:
+        print(f"{len(errors)} item(s) failed: {errors}")
+    print(f"wrote {out}/{stem}.json, .md, .png in {wall:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,8 +692,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--n", type=int, default=60, help="items (default 60)")
     ap.add_argument("--seed", type=int, default=0,
                     help="data seed (minipic eval's: same items and distractors) and the seed "
@@ -555,43 +712,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="layer of the single-layer question_attention signal (default: "
                          "30%% of the depth, layer 9 of SmolLM2-135M's 30)")
     ap.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
-    ap.add_argument("--model", default=None, help="model folder (default SmolLM2-135M)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--check", action="store_true",
-                    help="per item (~4 extra passes): assert budget 0 == block pass, all "
-                         "recomputed == full causal pass, half the spans recomputed whole == "
-                         "the single mixed-mask pass; measure that pass's deviation otherwise")
-    ap.add_argument("--out", type=Path, default=Path("results/selective_signal"),
-                    help="output folder (default results/selective_signal)")
-    args = ap.parse_args(argv)
+    args = parse_common(ap, argv, out="results/selective_signal",
+                        check_help="per item (~4 extra passes): assert budget 0 == block pass, "
+                                   "all recomputed == full causal pass, half the spans "
+                                   "recomputed whole == the single mixed-mask pass; measure "
+                                   "that pass's deviation otherwise")
     args.budgets = [float(b) for b in args.budgets.split(",") if b]
     if not args.budgets or not all(0 <= b <= 1 for b in args.budgets):
         ap.error("--budgets: shares in [0, 1]")
-    low, _, high = args.passages.partition("-")
-    args.passages = (int(low), int(high or low))
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from support.pic_reference import PicReference
-    from tqdm import tqdm
-
-    from minipic.eval.datasets import builtin_items, load_jsonl
-    from minipic.prompt_builder import PromptBuilder
-    from minipic.span_contract.models import resolve_model
-    from minipic.span_contract.special_tokens import span_config_for_model
-
-    started = time.perf_counter()
-    model_dir = resolve_model(args.model)
-    span = span_config_for_model(model_dir, 32)
-    builder = PromptBuilder.from_pretrained(model_dir, block_size=32, ssep_id=span.ssep_id,
-                                            pdep_id=span.pdep_id, pad_id=span.pad_id,
-                                            max_model_len=2048)
-    model = PicReference(model_dir).model
-    register_probe(model)
+    started, model_dir, builder, model = setup(args, ATTN, probe_attention)
     layers = model.config.num_hidden_layers
     if args.attn_layer is None:
         args.attn_layer = round(0.3 * layers)
@@ -603,38 +737,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := [s for s in args.signals if s not in known]:
         raise SystemExit(f"unknown signals {unknown}; known: {known}")
 
-    errors: list[dict[str, Any]] = []
-    if args.data.endswith(".jsonl"):
-        loaded = load_jsonl(args.data)
-        items, errors = loaded.items[: args.n], list(loaded.errors)
-    else:
-        items = builtin_items(args.data, args.n, args.seed, args.passages, args.max_words)
-    records = []
-    for index, item in enumerate(tqdm(items, desc="items", unit="item")):
-        try:
-            records.append(evaluate_item(model, builder, item, index, args))
-        except AssertionError:
-            raise
-        except Exception as exc:  # one bad item (too long, ...) never loses the others
-            errors.append({"id": item.id, "error": f"{type(exc).__name__}: {exc}"[:500]})
+    records, errors, _ = run_items(
+        args, lambda index, item: evaluate_item(model, builder, item, index, args), started)
     if not records:
-        print(f"no item ran: {errors}")
         return 1
     wall = time.perf_counter() - started
-    item_times = [r["timing"]["item_s"] for r in records]
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "n": len(records), "seed": args.seed, "data": args.data, "model": model_dir,
         "model_name": Path(model_dir).name, "dtype": "float32", "block_size": 32,
         "budgets": args.budgets, "signals": args.signals, "granularities": list(GRANULARITIES),
         "attn_layer": args.attn_layer, "kv_layer": KV_LAYER, "max_tokens": args.max_tokens,
-        "machine": {"platform": platform.platform(), "cpu": platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__},
-        "threads": torch.get_num_threads(), "wall_s": wall,
-        "seconds_per_item": float(np.mean(item_times)),
-        "timing_mean": {k: float(np.mean([r["timing"][k] for r in records]))
-                        for k in records[0]["timing"]},
+        **run_meta(records, wall),
         "semantics": "selected span content tokens recomputed in context over the cached "
                      "(block-isolated) K/V of every other position, all layers; KL over the "
                      "full vocabulary",
@@ -644,19 +758,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          records[0]["check"].items() if isinstance(v, float)}
         meta["check"]["mixed_mask_vs_engine_selection"] = records[0]["check"][
             "mixed_mask_vs_engine_selection"]
-    report = {"meta": meta, "summary": summarize(records, seed=args.seed), "errors": errors,
-              "items": records}
-    args.out.mkdir(parents=True, exist_ok=True)
-    from minipic.eval.runner import finite
-
-    (args.out / "selective_signal.json").write_text(json.dumps(finite(report), indent=1))
-    text = table(report)
-    (args.out / "selective_signal.md").write_text(text + "\n")
-    plot(report, args.out / "selective_signal.png")
-    print(text)
-    if errors:
-        print(f"{len(errors)} item(s) failed: {errors}")
-    print(f"wrote {args.out}/selective_signal.json, .md, .png in {wall:.0f} s")
+    write_report(args.out, "selective_signal", meta, summarize(records, seed=args.seed), errors,
+                 records, table, plot, wall)
     return 0
 
 

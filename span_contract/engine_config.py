@@ -222,8 +222,8 @@ class EngineSettings(BaseModel):
         vLLM and torch again and computes on every core but one (the one vLLM reserves for the
         EngineCore's scheduling, which waits on the worker at every step). Inside the
         EngineCore, the worker computes on every core and the engine starts without the second
-        import: measured side by side on 2 cores (``benchmarks/engine_layout.py``), start 0.49x,
-        TTFT 0.52x, decode tokens/s 1.3-1.5x. Named by path: vLLM's CPU platform turns the name
+        import: measured side by side on 2 cores (``benchmarks/engine_layout.py``), start 0.50x,
+        TTFT 0.53-0.56x, decode tokens/s 1.3-1.5x. Named by path: vLLM's CPU platform turns the name
         ``uni`` back into ``mp``. Kept as vLLM chooses: any parallelism; an executor the caller
         chose (``extra``, or vLLM's own flags in ``vllm_args``); a thread binding the user set
         (vLLM applies it only to a worker process); several NUMA nodes (vLLM binds its worker's
