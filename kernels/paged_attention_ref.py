@@ -10,9 +10,27 @@ slot ``j // block_size``, offset ``j % block_size``. The physical block id plays
 why one physical block can serve two requests at two different offsets with no copy.
 
 Queries arrive already rotated by the model (at their own positions), so only keys are rotated
-here. Query ``t`` of request ``i`` sits at position ``seq_len_i - query_len_i + t`` and, when
-causal, attends to keys ``0 ..= that position`` (prefill with existing context and decode are
+here. Query ``t`` of request ``i`` sits at index ``seq_len_i - query_len_i + t`` and, when
+causal, attends to keys ``0 ..= that index`` (prefill with existing context and decode are
 the same formula).
+
+**Layout keys (docs/design.md rule 1).** A prompt laid out for reuse carries tokens the model is
+not meant to read: span markers (SSEP / PDEP) and the PADs that align spans to KV blocks. They
+steer block hashing and span segments, and must not steer the answer. With ``key_positions``
+(``[num_reqs, W]``, entry ``[i, j]`` for key ``j`` of request ``i``) the caller gives each key a
+*logical* RoPE position, and marks layout keys with a negative entry:
+
+* key ``j`` is rotated at ``key_positions[i, j]`` (a layout key's negative entry is clamped to
+  row 0 of the table: that key is only ever read by its own query, where it is the single
+  visible key and gets probability 1 whatever its score);
+* a layout key is invisible to every query but the one at its own index, and that (layout)
+  query sees only itself: its output is its own value vector.
+
+A real query therefore sees exactly the real keys it would see without the layout tokens, at
+the positions they would have had: attention equals attention over the compacted sequence
+(layout keys removed, real keys at ``0 .. n_real - 1``). The causal mask and ``key_start`` stay in
+*index* space (the key's index ``j`` in the request, not its logical position). Without
+``key_positions`` key ``j`` is rotated at ``j`` and every key is visible (stock behaviour).
 
 Two formulations live here on purpose:
 
@@ -72,6 +90,7 @@ def paged_attention_rope_ref(
     *,
     out: torch.Tensor | None = None,
     key_start: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a ragged batch whose (unrotated) keys live in a paged cache.
 
@@ -93,6 +112,12 @@ def paged_attention_rope_ref(
             ``query_start_loc[-1]`` are left untouched.
         key_start: optional ``[num_tokens]`` int, the first key each query may attend to
             (span isolation, ``engine_ext/attention/span_segments.py``); keys before it are masked.
+            In index space, like the causal mask.
+        key_positions: optional ``[num_reqs, W]`` int32/int64, ``W >= max(seq_lens)``: the
+            logical RoPE position of key ``j`` of request ``i`` (table slot ``j // block_size``,
+            offset ``j % block_size``); a negative entry marks a layout key, visible only to the
+            query at its own index, which in turn sees only itself (module docstring). None:
+            key ``j`` is rotated at ``j`` and every key is visible.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (zeros in rows that belong
@@ -111,6 +136,7 @@ def paged_attention_rope_ref(
     # One host transfer for the metadata, instead of one .item() per request.
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    _check_key_positions(key_positions, num_reqs, max(lens, default=0))
     for i in range(num_reqs):
         q_begin, q_end, seq_len = qsl[i], qsl[i + 1], lens[i]
         q_len = q_end - q_begin
@@ -124,10 +150,17 @@ def paged_attention_rope_ref(
         # gathered blocks in table order puts key j at row j.
         keys = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
         values = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
-        key_pos = torch.arange(seq_len, device=key_cache.device)
+        # Index space (causal mask, key_start) and RoPE positions are the same unless the
+        # caller gives logical positions.
+        key_idx = torch.arange(seq_len, device=key_cache.device)
+        if key_positions is None:
+            rope_pos, is_layout = key_idx, None
+        else:
+            logical = key_positions[i, :seq_len].to(device=key_cache.device, dtype=torch.long)
+            rope_pos, is_layout = logical.clamp(min=0), logical < 0
         # Rotate in fp32, round once to the cache dtype: the key a stock engine would have
         # cached (rotated by the model, then stored in that dtype), then do the math in fp32.
-        keys = rotate(keys, key_pos, cos_sin_cache, rotary_dim, is_neox).float()
+        keys = rotate(keys, rope_pos, cos_sin_cache, rotary_dim, is_neox).float()
         values = values.float()
 
         q = query[q_begin:q_end].float().view(q_len, num_kv_heads, group, head_size)
@@ -137,8 +170,8 @@ def paged_attention_rope_ref(
             c1 = min(q_len, c0 + chunk)
             # scores[h, g, t, j] for query head h*group+g, query t, key j.
             scores = torch.einsum("thgd,jhd->hgtj", q[c0:c1], keys) * scale
-            allowed = _visible(key_pos, q_pos[c0:c1], causal, key_start,
-                               q_begin + c0, q_begin + c1)
+            allowed = _visible(key_idx, q_pos[c0:c1], causal, key_start,
+                               q_begin + c0, q_begin + c1, is_layout)
             if allowed is not None:
                 scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
@@ -148,15 +181,38 @@ def paged_attention_rope_ref(
 
 
 def _visible(key_pos: torch.Tensor, q_pos: torch.Tensor, causal: bool,
-             key_start: torch.Tensor | None, row_begin: int, row_end: int
-             ) -> torch.Tensor | None:
-    """``[t, j]`` mask of keys each query sees (None: all), causal and/or from ``key_start``."""
+             key_start: torch.Tensor | None, row_begin: int, row_end: int,
+             is_layout: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``[t, j]`` mask of keys each query sees (None: all): causal and/or from ``key_start``,
+    and, given ``is_layout`` (``[seq_len]`` bool, per key index), layout keys hidden from every
+    query but their own, layout queries seeing only themselves. Positions are indices."""
     allowed = key_pos[None, :] <= q_pos[:, None] if causal else None
     if key_start is not None:
         lower = key_start[row_begin:row_end].to(key_pos.device)
         after = key_pos[None, :] >= lower[:, None]
         allowed = after if allowed is None else allowed & after
+    if is_layout is not None:
+        real = ~is_layout
+        own = key_pos[None, :] == q_pos[:, None]
+        layout_ok = own | (real[None, :] & real[q_pos][:, None])
+        allowed = layout_ok if allowed is None else allowed & layout_ok
     return allowed
+
+
+def _check_key_positions(key_positions: torch.Tensor | None, num_reqs: int, width: int) -> None:
+    """``key_positions`` must be ``[num_reqs, >= width]`` integers (or None)."""
+    if key_positions is None:
+        return
+    if key_positions.dim() != 2 or key_positions.shape[0] != num_reqs:
+        raise ValueError(
+            f"key_positions must be [num_reqs={num_reqs}, W], got {tuple(key_positions.shape)}"
+        )
+    if key_positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"key_positions must be int32 or int64, got {key_positions.dtype}")
+    if key_positions.shape[1] < width:
+        raise ValueError(
+            f"key_positions has {key_positions.shape[1]} columns, fewer than a seq_len of {width}"
+        )
 
 
 def dense_attention_ref(
@@ -170,6 +226,8 @@ def dense_attention_ref(
     scale: float,
     causal: bool = True,
     key_start: torch.Tensor | None = None,
+    *,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Independent formulation on contiguous tensors, for validating the paged path.
 
@@ -178,8 +236,9 @@ def dense_attention_ref(
         keys: per request, ``[seq_len_i, num_kv_heads, head_size]`` unrotated keys in logical
             order (row j is the key at position j).
         values: per request, same shapes as ``keys``.
-        query_start_loc, cos_sin_cache, rotary_dim, is_neox, scale, causal, key_start: as in
-            :func:`paged_attention_rope_ref`; ``seq_len_i`` is ``len(keys[i])``.
+        query_start_loc, cos_sin_cache, rotary_dim, is_neox, scale, causal, key_start,
+            key_positions: as in :func:`paged_attention_rope_ref`; ``seq_len_i`` is
+            ``len(keys[i])``.
 
     Returns ``[num_tokens, num_heads, head_size]`` in ``query.dtype``; rows belonging to no
     request are zero.
@@ -189,6 +248,7 @@ def dense_attention_ref(
     group = _check_common(query, num_kv_heads, query_start_loc, num_reqs)
     out = torch.zeros_like(query)
     qsl = query_start_loc.tolist()
+    _check_key_positions(key_positions, num_reqs, max((len(k) for k in keys), default=0))
     for i in range(num_reqs):
         q_begin, q_end = qsl[i], qsl[i + 1]
         q_len, seq_len = q_end - q_begin, keys[i].shape[0]
@@ -196,7 +256,13 @@ def dense_attention_ref(
             continue
         dev = query.device
         k_pos = torch.arange(seq_len, device=dev)
-        k = rotate(keys[i], k_pos, cos_sin_cache, rotary_dim, is_neox).float()
+        if key_positions is None:
+            k = rotate(keys[i], k_pos, cos_sin_cache, rotary_dim, is_neox).float()
+        else:
+            logical = key_positions[i, :seq_len].to(dev)
+            # Layout keys (negative) rotate at row 0; see the module docstring.
+            rope_pos = torch.where(logical < 0, torch.zeros_like(logical), logical)
+            k = rotate(keys[i], rope_pos, cos_sin_cache, rotary_dim, is_neox).float()
         # GQA by explicit head replication: [heads, seq, dim].
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)
         v = values[i].float().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -207,6 +273,12 @@ def dense_attention_ref(
         if key_start is not None:
             lower = key_start[q_begin:q_end].to(dev)[:, None]
             mask = (k_pos[None, :] >= lower) & (mask if mask is not None else True)
+        if key_positions is not None:
+            # Rule 1 as a block mask: real tokens form one class and every layout token a class
+            # of its own; a query sees keys of its class only.
+            cls = torch.where(logical >= 0, torch.full_like(k_pos, -1), k_pos)
+            same = cls[None, :] == cls[q_abs[:, 0]][:, None]
+            mask = same if mask is None else mask & same
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[q_begin:q_end] = o.transpose(0, 1).to(out.dtype)
     return out

@@ -6,6 +6,15 @@ key of the request, whatever physical block holds it) right after it is loaded, 
 own ``cos_sin_cache``. Nothing is written back, so a physical block can be read by several
 requests at several offsets in the same launch.
 
+Layout keys (docs/design.md rule 1): span markers and the PADs that align spans to blocks steer
+block hashing and span segments, but the model must never see them. Given ``key_positions``
+(``[num_reqs, W]``), the logical position of key ``j`` is read from that row instead of being
+``j``: keys are rotated at it (cos/sin gathered at ``max(pos, 0)``), and a key with a negative
+position (a layout key) is masked for every query but the one at its own index, which in turn
+sees only itself. Real queries then attend exactly as over the compacted sequence without layout
+tokens. The causal mask and ``key_start`` stay in index space. The flag ``HAS_KEY_POSITIONS`` is
+a constexpr, so launches without ``key_positions`` compile to the same code as before.
+
 Kernel layout (one program per (query tile, KV head)):
 
 * Ragged batch, prefill and decode mixed: the grid's first axis enumerates query tiles of all
@@ -60,6 +69,7 @@ def _paged_attention_rope_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     key_start_ptr,
+    key_positions_ptr,
     num_reqs,
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
@@ -77,6 +87,7 @@ def _paged_attention_rope_kernel(
     stride_vh,
     stride_vd,
     stride_bt,
+    stride_kpr,
     stride_csp,
     stride_csd,
     HEAD_SIZE: tl.constexpr,
@@ -92,6 +103,7 @@ def _paged_attention_rope_kernel(
     BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_KEY_START: tl.constexpr,
+    HAS_KEY_POSITIONS: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """One (query tile, KV head) of the ragged batch; see the module docstring for the plan."""
@@ -176,20 +188,30 @@ def _paged_attention_rope_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    if HAS_KEY_POSITIONS:
+        # Layout keys (rule 1): a query at a layout index sees only its own key.
+        kp_row = key_positions_ptr + req.to(tl.int64) * stride_kpr
+        q_is_layout = tl.load(kp_row + q_pos, mask=row_ok, other=0).to(tl.int32) < 0
 
     for tile in range(first_tile, num_tiles):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # logical key positions
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # key indices in the request
         key_ok = offs_n < kv_end
         phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = (offs_n % BLOCK_SIZE).to(tl.int64)
         k_col = k_ptr + (phys * stride_kb + slot * stride_ko + kv_head * stride_kh)[None, :]
         v_row = v_ptr + (phys * stride_vb + slot * stride_vo + kv_head * stride_vh)[:, None]
 
-        # Rotate the K tile, transposed [dims, BLOCK_N], by the keys' logical positions.
+        # Rotate the K tile, transposed [dims, BLOCK_N], by the keys' logical positions
+        # (their indices, unless key_positions gives them).
         pk_mask = pair_ok[:, None] & key_ok[None, :]
         k1 = tl.load(k_col + dim1[:, None] * stride_kd, mask=pk_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_col + dim2[:, None] * stride_kd, mask=pk_mask, other=0.0).to(tl.float32)
-        cs = cos_sin_ptr + offs_n.to(tl.int64)[None, :] * stride_csp
+        if HAS_KEY_POSITIONS:
+            k_pos = tl.load(kp_row + offs_n, mask=key_ok, other=0).to(tl.int32)
+            rope_pos = tl.maximum(k_pos, 0)  # a layout key's rotation never matters
+        else:
+            rope_pos = offs_n
+        cs = cos_sin_ptr + rope_pos.to(tl.int64)[None, :] * stride_csp
         cos = tl.load(cs + offs_i[:, None] * stride_csd, mask=pk_mask, other=0.0).to(tl.float32)
         sin = tl.load(cs + (offs_i + HALF)[:, None] * stride_csd, mask=pk_mask, other=0.0).to(
             tl.float32
@@ -219,6 +241,9 @@ def _paged_attention_rope_kernel(
             ok = ok & (offs_n[None, :] <= q_pos[:, None])
         if HAS_KEY_START:
             ok = ok & (offs_n[None, :] >= q_key_start[:, None])
+        if HAS_KEY_POSITIONS:
+            own = offs_n[None, :] == q_pos[:, None]
+            ok = ok & (own | ((k_pos >= 0)[None, :] & ~q_is_layout[:, None]))
         s = tl.where(ok, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -292,6 +317,7 @@ def paged_attention_rope_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     key_start: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`minipic.kernels.paged_attention_ref.paged_attention_rope_ref`.
 
@@ -310,9 +336,15 @@ def paged_attention_rope_triton(
             combinations).
         key_start: ``[num_tokens]`` int, first key each query may attend to (span isolation);
             None: plain causal.
+        key_positions: ``[num_reqs, W]`` int32/int64, ``W >= max(seq_lens)``: logical RoPE
+            position of key ``j`` of request ``i``; negative marks a layout key, seen only by
+            the query at its own index, which sees only itself (docs/design.md rule 1; see
+            the reference). None: key ``j`` at position ``j``, every key visible.
 
     Preconditions not checked here because checking needs a device-to-host sync:
-    ``cos_sin_cache`` covers every position ``< max(seq_lens)``, and every block-table entry
+    ``cos_sin_cache`` covers every position ``< max(seq_lens)`` (every entry of
+    ``key_positions`` a request uses, when given), ``key_positions`` has at least
+    ``max(seq_lens)`` columns, and every block-table entry
     a request uses (``< ceil(seq_len / block_size)``) is a valid block. The K/V cache must have
     the query's dtype (no fp8 KV cache).
     """
@@ -331,6 +363,14 @@ def paged_attention_rope_triton(
         raise ValueError(f"cos_sin_cache must be [max_position, {rotary_dim}]")
     if query_start_loc.numel() != num_reqs + 1 or seq_lens.numel() != num_reqs:
         raise ValueError("query_start_loc must have num_reqs + 1 entries, seq_lens num_reqs")
+    if key_positions is not None:
+        if key_positions.dim() != 2 or key_positions.shape[0] != num_reqs:
+            raise ValueError(f"key_positions must be [num_reqs={num_reqs}, W], got "
+                             f"{tuple(key_positions.shape)}")
+        if key_positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"key_positions must be int32 or int64, got {key_positions.dtype}")
+        if key_positions.stride(1) != 1:
+            key_positions = key_positions.contiguous()
     if out is None:
         out = torch.empty_like(query)
     if num_reqs == 0 or num_tokens == 0:
@@ -357,6 +397,7 @@ def paged_attention_rope_triton(
         seq_lens,
         query_start_loc,
         key_start if key_start is not None else seq_lens,
+        key_positions if key_positions is not None else seq_lens,
         num_reqs,
         scale * _LOG2E,
         *query.stride(),
@@ -364,6 +405,7 @@ def paged_attention_rope_triton(
         *key_cache.stride(),
         *value_cache.stride(),
         block_table.stride(0),
+        key_positions.stride(0) if key_positions is not None else 0,
         *cos_sin_cache.stride(),
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
@@ -378,6 +420,7 @@ def paged_attention_rope_triton(
         BLOCK_SIZE=block_size,
         CAUSAL=causal,
         HAS_KEY_START=key_start is not None,
+        HAS_KEY_POSITIONS=key_positions is not None,
         DOT_FP32=query.dtype == torch.float32 or (interpreted and query.dtype == torch.bfloat16),
         num_warps=num_warps,
     )

@@ -175,7 +175,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from minipic.engine_ext.attention import cpu_kv_layout  # noqa: E402
 from minipic.engine_ext.attention.key_shadow.pages import KeyShadow  # noqa: E402
 from minipic.engine_ext.attention.key_shadow.pool import KeyShadowIndex, pool_cap_entries  # noqa: E402
-from minipic.engine_ext.attention.span_isolation import step_key_starts, step_positions  # noqa: E402
+from minipic.engine_ext.attention.span_isolation import step_positions, step_span_view  # noqa: E402
 from minipic.engine_ext.attention.step_plan import (  # noqa: E402
     HomeSlots,
     OffHomeBatch,
@@ -183,7 +183,12 @@ from minipic.engine_ext.attention.step_plan import (  # noqa: E402
     StepPlan,
     plan_step,
 )
-from minipic.kernels import offset_cos_sin_cache, paged_attention_rope_ref, unrotate  # noqa: E402
+from minipic.kernels import (  # noqa: E402
+    offset_cos_sin_cache,
+    paged_attention_rope_ref,
+    rotate_by_offset,
+    unrotate,
+)
 
 
 def position_free_spec(spec: AttentionSpec) -> bool:
@@ -284,14 +289,16 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         cm = common_attn_metadata
         query_start_loc = cm.query_start_loc[: cm.num_reqs + 1]
         seq_lens = cm.seq_lens[: cm.num_reqs]
+        view = step_span_view(query_start_loc, seq_lens, self.block_size)
         plan = plan_step(
             self.home, query_start_loc, seq_lens,
             cm.block_table_tensor[: cm.num_reqs], cm.slot_mapping[: cm.num_actual_tokens],
             self.block_size, self.path,
             None if self.path == "torch" else functools.partial(self._schedule, md.causal),
             self.rotated,
-            key_start=step_key_starts(query_start_loc, seq_lens, self.block_size),
+            key_start=view.key_start,
             positions=step_positions(query_start_loc, seq_lens),
+            view=view,
         )
         md.plan = plan
         return md
@@ -374,6 +381,12 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         if key is not None and value is not None:
             self._write(layer, key[:n], value[:n], key_cache, value_cache, plan, rope)
 
+        if plan.masked is not None:
+            if rope is None:
+                raise RuntimeError(
+                    "minipic: a span-opted-in request reached a layer that keeps stock rotated "
+                    "keys in a position-free group; its layout tokens cannot be hidden there")
+            self._attend_masked(layer, query, key_cache, value_cache, plan, rope, output)
         if path == "torch":
             return self._attend_torch(layer, query, key_cache, value_cache, plan,
                                       attn_metadata.causal, rope, output)
@@ -484,26 +497,57 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
             self._shadow = shadow = KeyShadow(shape, key_cache.dtype)
         return shadow
 
+    def _attend_masked(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, plan: StepPlan, rope: torch.nn.Module,
+                       output: torch.Tensor) -> None:
+        """Rule 1 (docs/design.md §2): the requests that hold layout tokens, with a key mask.
+
+        vLLM's C++ kernel attends every key of a row's range, so these rows run the torch path:
+        position-free keys un-rotated from their home slots, rotated at their logical positions
+        (layout keys hidden from every query but their own), queries moved from the physical
+        position the model rotated them at to their logical one.
+        """
+        batch = plan.masked
+        assert batch is not None and plan.home_slots is not None
+        keys, values, table = self._position_free_pages(layer, key_cache, value_cache,
+                                                        batch.block_table, plan.home_slots, rope)
+        queries = rotate_by_offset(query[batch.rows], batch.query_shift, rope.cos_sin_cache,
+                                   rope.rotary_dim, rope.is_neox_style)
+        output[batch.rows] = paged_attention_rope_ref(
+            queries, keys, values, table, batch.seq_lens, batch.query_start_loc,
+            rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style, self.scale,
+            key_start=batch.key_start, key_positions=batch.key_positions)
+
+    def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, block_table: torch.Tensor,
+                             home_slots: torch.Tensor, rope: torch.nn.Module
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, table)`` of the blocks ``block_table`` reads, as token-major pages
+        ``[U, block_size, heads, D]`` with keys un-rotated from their home slots; ``table``
+        indexes those pages."""
+        layout = self._layout(layer, key_cache)
+        num_kv_heads, block_size, head_size = key_cache.shape[1:]
+        blocks, table = torch.unique(block_table.long(), return_inverse=True)
+        home = home_slots[blocks].long().clamp(min=0)  # unwritten: never read
+        positions = (home.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
+        keys = layout.plain_keys(key_cache[blocks]).transpose(1, 2)  # [U, bs, heads, D]
+        keys = unrotate(keys.reshape(-1, num_kv_heads, head_size), positions,
+                        rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)
+        values = layout.plain_values(value_cache[blocks]).transpose(1, 2)
+        return (keys.view(-1, block_size, num_kv_heads, head_size), values,
+                table.to(torch.int32))
+
     def _attend_torch(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, plan: StepPlan, causal: bool,
                       rope: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
         """The pure-torch alternative: the reference kernel on position-free keys, un-rotated
         from the cache by their home positions (only the blocks the step reads)."""
-        assert plan.off_home_chunks, "the torch path sends every request off home"
         assert plan.home_slots is not None
-        layout = self._layout(layer, key_cache)
-        num_kv_heads, block_size, head_size = key_cache.shape[1:]
         for batch in plan.off_home_chunks:
-            blocks, table = torch.unique(batch.global_block_table.long(), return_inverse=True)
-            home = plan.home_slots[blocks].long().clamp(min=0)  # unwritten: never read
-            positions = (home.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
-            keys = layout.plain_keys(key_cache[blocks]).transpose(1, 2)  # [U, bs, heads, D]
-            keys = unrotate(keys.reshape(-1, num_kv_heads, head_size), positions,
-                            rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)
-            values = layout.plain_values(value_cache[blocks]).transpose(1, 2)
+            keys, values, table = self._position_free_pages(
+                layer, key_cache, value_cache, batch.global_block_table, plan.home_slots, rope)
             sub_out = paged_attention_rope_ref(
-                query[batch.rows], keys.view(-1, block_size, num_kv_heads, head_size),
-                values, table.to(torch.int32), batch.seq_lens, batch.query_start_loc,
+                query[batch.rows], keys, values, table, batch.seq_lens, batch.query_start_loc,
                 rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style, self.scale,
                 causal=bool(causal),
                 key_start=None if plan.key_start is None else plan.key_start[batch.rows],

@@ -19,10 +19,14 @@ This module must import on CPU-only machines (the plugin imports its parent modu
 Triton is imported only on the first forward. Its write/view/launch glue is tested on CPU through
 Triton's interpreter (``tests/engine/test_position_free.py``); it has not run on a GPU or inside a
 GPU engine yet.
-Span isolation: the builder asks ``engine_ext.attention.span_isolation`` for each query token's
-first visible key (``key_start``, one host computation per step) and the kernel masks keys before
-it. A request whose step computes several holes (``engine_ext/holes/worker_positions.py``) becomes
-one kernel row per hole (:func:`hole_rows`), each ending at its hole's last token.
+Span isolation and rule 1: the builder asks ``engine_ext.attention.span_isolation`` for the
+step's span view (one host computation per step): each query token's first visible key
+(``key_start``; the kernel masks keys before it) and, for requests that hold layout tokens, each
+key's logical position (the kernel rotates keys there and hides layout keys from every other
+query) and each query's shift from the physical position the model rotated it at (applied here
+before the kernel). A request whose step computes several holes
+(``engine_ext/holes/worker_positions.py``) becomes one kernel row per hole (:func:`hole_rows`),
+each ending at its hole's last token.
 
 Compilation and CUDA graphs. torch.compile is safe: minipic's settings and a hash of its engine
 code travel in vLLM's ``additional_config``, which is part of vLLM's compile-cache key
@@ -92,6 +96,9 @@ class MinipicCudaMetadata:
     slot_mapping: torch.Tensor
     causal: bool = True
     key_start: torch.Tensor | None = None  # [num_tokens] span isolation (None: causal only)
+    key_positions: torch.Tensor | None = None  # [rows, W] rule 1 (None: no layout token)
+    masked_rows: torch.Tensor | None = None  # [T] query rows of requests with layout tokens
+    query_shift: torch.Tensor | None = None  # [T] logical - physical position of those rows
 
 
 class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
@@ -106,27 +113,44 @@ class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
         cm = common_attn_metadata
         if not isinstance(cm.causal, bool):
             raise NotImplementedError("minipic CUSTOM backend: per-request causality")
-        from minipic.engine_ext.attention.span_isolation import step_key_starts, step_positions
+        from minipic.engine_ext.attention.span_isolation import step_positions, step_span_view
 
-        # Span isolation needs host copies of the step's lengths (one sync per step, shared by
+        # The span view needs host copies of the step's lengths (one sync per step, shared by
         # all layers); the result goes to the device once.
         qsl_cpu = cm.query_start_loc_cpu[: cm.num_reqs + 1]
         seq_lens_cpu = cm.seq_lens[: cm.num_reqs].cpu()
-        key_start = step_key_starts(qsl_cpu, seq_lens_cpu, self.kv_cache_spec.block_size)
+        view = step_span_view(qsl_cpu, seq_lens_cpu, self.kv_cache_spec.block_size)
+        key_start = view.key_start
         query_start_loc = cm.query_start_loc[: cm.num_reqs + 1]
         seq_lens = cm.seq_lens[: cm.num_reqs]
         block_table = cm.block_table_tensor[: cm.num_reqs]
         max_query_len = cm.max_query_len
+        key_positions = masked_rows = query_shift = None
+        if view.any_masked:
+            assert view.masked is not None and view.key_positions is not None
+            assert view.query_shift is not None
+            width = max(int(seq_lens_cpu.max()), view.key_positions.shape[1])
+            key_positions = torch.arange(width).repeat(cm.num_reqs, 1)
+            key_positions[view.masked, : view.key_positions.shape[1]] = (
+                view.key_positions[view.masked])
+            masked_rows = (view.query_shift != 0).nonzero().flatten()
+            query_shift = view.query_shift[masked_rows].to(self.device)
+            masked_rows = masked_rows.to(self.device)
         positions = step_positions(qsl_cpu, seq_lens_cpu)
         if positions is not None:  # several holes of a request: one kernel row per hole
-            query_start_loc, seq_lens, block_table, max_query_len = hole_rows(
+            query_start_loc, seq_lens, block_table, max_query_len, rows_of = hole_rows(
                 qsl_cpu, positions, block_table, query_start_loc.dtype, seq_lens.dtype)
+            if key_positions is not None:
+                key_positions = key_positions[rows_of]
         return MinipicCudaMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=max_query_len,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             key_start=None if key_start is None else key_start.to(self.device),
+            key_positions=None if key_positions is None else key_positions.to(self.device),
+            masked_rows=masked_rows,
+            query_shift=query_shift,
             block_table=block_table,
             slot_mapping=cm.slot_mapping,
             causal=cm.causal,
@@ -135,16 +159,17 @@ class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
 
 def hole_rows(qsl_cpu: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
               qsl_dtype: torch.dtype, lens_dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Kernel rows of a step in which some request computes several holes: one row per hole
     (``engine_ext/step_plan.gap_rows``), each with its request's table, on the table's device.
-    Returns ``(query_start_loc, seq_lens, block_table, max_query_len)``."""
+    Returns ``(query_start_loc, seq_lens, block_table, max_query_len, request of each row)``
+    (the last on the host)."""
     from minipic.engine_ext.attention.step_plan import gap_rows
 
     row_qsl, row_lens, rows_of = gap_rows(qsl_cpu, positions)
     device = block_table.device
     return (row_qsl.to(device, dtype=qsl_dtype), row_lens.to(device, dtype=lens_dtype),
-            block_table[rows_of.to(device)], int((row_qsl[1:] - row_qsl[:-1]).max()))
+            block_table[rows_of.to(device)], int((row_qsl[1:] - row_qsl[:-1]).max()), rows_of)
 
 
 class MinipicCudaAttentionImpl(AttentionImpl[MinipicCudaMetadata]):
@@ -215,11 +240,20 @@ class MinipicCudaAttentionImpl(AttentionImpl[MinipicCudaMetadata]):
             kv_cache[blk, :, off, d:] = value[:n][keep].to(kv_cache.dtype)
         key_cache = kv_cache[..., :d].transpose(1, 2)  # [blocks, bs, kv_heads, D], strided
         value_cache = kv_cache[..., d:].transpose(1, 2)
+        query = query[:n]
+        if attn_metadata.masked_rows is not None:  # rule 1: queries at their logical positions
+            from minipic.kernels import rotate_by_offset
+
+            rows = attn_metadata.masked_rows
+            query = query.clone()
+            query[rows] = rotate_by_offset(query[rows], attn_metadata.query_shift,
+                                           rope.cos_sin_cache, rope.rotary_dim,
+                                           rope.is_neox_style)
         paged_attention_rope_triton(
-            query[:n], key_cache, value_cache, attn_metadata.block_table,
+            query, key_cache, value_cache, attn_metadata.block_table,
             attn_metadata.seq_lens, attn_metadata.query_start_loc, rope.cos_sin_cache,
             rope.rotary_dim, rope.is_neox_style, self.scale, attn_metadata.causal,
             out=output[:n], max_query_len=attn_metadata.max_query_len,
-            key_start=attn_metadata.key_start,
+            key_start=attn_metadata.key_start, key_positions=attn_metadata.key_positions,
         )
         return output

@@ -84,10 +84,41 @@ def step_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor
                                          seq_lens)
 
 
+@dataclass
+class SpanView:
+    """What the span rules ask of one step's attention, beyond stock causal attention.
+
+    * ``key_start[t]``: the first key query ``t`` may attend to (span isolation; None: 0 for
+      every query, the stock fast path);
+    * rule 1 (docs/design.md §2): the layout tokens (SSEP, PDEP, PAD) are attended by no query
+      but their own and take no RoPE position. ``masked[r]`` says request row ``r`` has layout
+      tokens among its keys, so it needs a key mask; ``key_positions[r, j]`` is the logical
+      position of its key ``j`` (the count of real tokens before it; -1: a layout key) and
+      ``query_shift[t]`` the logical minus the physical position of query ``t`` (the model
+      rotated queries at vLLM's physical positions; attention moves them by this).
+    """
+
+    key_start: torch.Tensor | None = None
+    masked: torch.Tensor | None = None  # [num_reqs] bool
+    key_positions: torch.Tensor | None = None  # [num_reqs, W] int64 (rows of masked requests)
+    query_shift: torch.Tensor | None = None  # [num_tokens] int64
+
+    @property
+    def any_masked(self) -> bool:
+        return self.masked is not None and bool(self.masked.any())
+
+
 def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_size: int) -> torch.Tensor | None:
     """``key_start`` per query token of the step being built (int64), or None if no token of
-    the step is isolated (no opted-in request reads an SSEP-led segment) — the stock fast path.
+    the step is isolated (:func:`step_span_view`'s ``key_start``)."""
+    return step_span_view(query_start_loc, seq_lens, block_size).key_start
+
+
+def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                   block_size: int) -> SpanView:
+    """The :class:`SpanView` of the step being built (empty when no opted-in request of it
+    holds a layout token).
 
     ``query_start_loc`` / ``seq_lens`` cover the step's requests in the runner's batch order.
     """
@@ -102,14 +133,16 @@ def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                 "VLLM_USE_V2_MODEL_RUNNER=0); the engine stops before answering")
         expected.builds += 1
     config: SpanConfig | None = _STATE["config"]
+    view = SpanView()
     if runner is None or config is None:
-        return None
+        return view
     batch = runner.input_batch
     req_ids = batch.req_ids
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    out: torch.Tensor | None = None
+    layout_ids = np.array([config.ssep_id, config.pdep_id, config.pad_id])
     holed = worker_positions.positions_with_holes(runner, query_start_loc, seq_lens)
+    rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     for row, seq_len in enumerate(lens):
         if row >= len(req_ids) or req_ids[row] is None:
             continue
@@ -119,16 +152,30 @@ def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         q_len = qsl[row + 1] - qsl[row]
         if q_len <= 0:
             continue
-        firsts = batch.token_ids_cpu[row, :seq_len:block_size]
-        if not (firsts == config.ssep_id).any():
-            continue
-        starts = block_key_starts(firsts, config.ssep_id, config.pdep_id, block_size)
+        tokens = batch.token_ids_cpu[row, :seq_len]
+        layout = np.isin(tokens, layout_ids)
+        if not layout.any():
+            continue  # no SSEP either: no isolation, nothing to hide
         positions = (np.arange(seq_len - q_len, seq_len) if holed is None
                      else holed[qsl[row]:qsl[row + 1]].numpy())
-        token_starts = starts[positions // block_size]
-        if not token_starts.any():
-            continue
-        if out is None:
-            out = torch.zeros(qsl[-1], dtype=torch.int64)
-        out[qsl[row]:qsl[row + 1]] = torch.from_numpy(token_starts)
-    return out
+        starts = block_key_starts(tokens[::block_size], config.ssep_id, config.pdep_id,
+                                  block_size)
+        real = (~layout).astype(np.int64)
+        logical = np.cumsum(real) - real
+        rows[row] = (starts[positions // block_size], logical[positions] - positions,
+                     np.where(layout, -1, logical))
+    if not rows:
+        return view
+    num_tokens = qsl[-1]
+    view.key_start = torch.zeros(num_tokens, dtype=torch.int64)
+    view.query_shift = torch.zeros(num_tokens, dtype=torch.int64)
+    view.masked = torch.zeros(len(lens), dtype=torch.bool)
+    view.key_positions = torch.zeros(len(lens), max(lens[r] for r in rows), dtype=torch.int64)
+    for row, (starts, shift, key_positions) in rows.items():
+        view.key_start[qsl[row]:qsl[row + 1]] = torch.from_numpy(starts)
+        view.query_shift[qsl[row]:qsl[row + 1]] = torch.from_numpy(shift)
+        view.masked[row] = True
+        view.key_positions[row, :key_positions.size] = torch.from_numpy(key_positions)
+    if not view.key_start.any():
+        view.key_start = None
+    return view

@@ -26,10 +26,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from minipic.engine_ext.attention.key_shadow.pool import KeyShadowIndex
+
+if TYPE_CHECKING:
+    from minipic.engine_ext.attention.span_isolation import SpanView
 
 
 @dataclass
@@ -58,6 +62,26 @@ class OffHomeBatch(SubBatch):
     release: list[int]  # shadow pages to give back before the fill (evicted blocks)
     scratch_pages: int  # 0: keys from the shadow; else a private chunk's page count
     global_block_table: torch.Tensor  # [S, max_blocks] int32, physical (torch path)
+
+
+@dataclass
+class MaskedBatch:
+    """The requests of one step that hold layout tokens (rule 1, docs/design.md §2), attended
+    with a key mask: vLLM's C++ kernel reads every key of a row's range and has none.
+
+    One row per run of a request's consecutive positions (a hole; usually the whole step of the
+    request), in token order. Keys are read from the cache at their home slots; the row's
+    ``key_positions`` say where RoPE puts each key (-1: a layout key, seen by no other query)
+    and ``query_shift`` where each query moves (logical minus physical position).
+    """
+
+    rows: torch.Tensor  # [T] int64: query rows of these requests in the step's batch
+    query_start_loc: torch.Tensor  # [R + 1] int32, local
+    seq_lens: torch.Tensor  # [R] int32: a row's keys are 0 .. its last position
+    block_table: torch.Tensor  # [R, max_blocks] int32, physical
+    key_positions: torch.Tensor  # [R, W] int64
+    query_shift: torch.Tensor  # [T] int64
+    key_start: torch.Tensor | None  # [T] int64 (None: 0)
 
 
 class HomeSlots:
@@ -155,6 +179,7 @@ class StepPlan:
     off_home_chunks: list[OffHomeBatch]
     home: SubBatch | None  # with off_home: the other requests (None: every request is home)
     key_start: torch.Tensor | None = None  # [num_tokens] first visible key (None: causal)
+    masked: MaskedBatch | None = None  # requests with layout tokens (rule 1)
     release_pool: bool = False  # the pool was released (idle): layers free their pages
     home_slots: torch.Tensor | None = None  # HomeSlots.slot after this step's writes
 
@@ -172,7 +197,8 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
               path: str, scheduler_metadata: ScheduleFn | None,
               rotated: KeyShadowIndex | None = None,
               key_start: torch.Tensor | None = None,
-              positions: torch.Tensor | None = None) -> StepPlan:
+              positions: torch.Tensor | None = None,
+              view: SpanView | None = None) -> StepPlan:
     """Positions, home-slot bookkeeping and the off-home sub-batch of one step.
 
     ``query_start_loc`` / ``seq_lens`` / ``block_table`` cover exactly the step's requests and
@@ -189,6 +215,10 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     several holes (``engine_ext/holes/worker_positions.py``; None: each request is one window ending
     at its ``seq_len``). Rows are then also split where positions jump, one per hole, each reading
     keys up to its own last token.
+
+    ``view``: the step's span view (``span_isolation.step_span_view``). Its ``masked`` requests
+    (layout tokens among their keys) go to :class:`MaskedBatch`, attended with a key mask; the
+    plan above covers the others, whose ``key_start`` is then 0 (a nonzero one needs an SSEP).
     """
     num_reqs = seq_lens.numel()
     num_tokens = slot_mapping.numel()
@@ -213,9 +243,50 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     rotated = rotated if rotated is not None else KeyShadowIndex()
     if rotated.held:  # an empty pool has nothing to invalidate (every PIC-off step)
         rotated.invalidate(blocks.unique().tolist())
+    masked = None
+    if view is not None and view.any_masked:
+        masked = _masked_batch(view, qsl, lens, block_table, positions)
+        keep = (~view.masked).nonzero().flatten()
+        kept_rows = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in keep.tolist()]
+                              + [torch.zeros(0, dtype=torch.long)])
+        sub_qsl = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(q_lens[keep], 0)])
+        chunks, home_batch, released = _plan_attention(
+            home, sub_qsl, lens[keep], block_table[keep], block_size, path, scheduler_metadata,
+            rotated, None, positions[kept_rows] if gapped else None)
+        for batch in [*chunks, home_batch]:
+            if batch is not None:
+                batch.rows = kept_rows[batch.rows]
+        if home_batch is None:  # the C++ kernel must not see the masked requests
+            home_batch = _sub_batch(keep.tolist(), qsl, lens, block_table, scheduler_metadata)
+    else:
+        chunks, home_batch, released = _plan_attention(
+            home, qsl, lens, block_table, block_size, path, scheduler_metadata, rotated,
+            key_start, positions if gapped else None)
+    return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
+                    write_blocks=blocks, write_offsets=slots - blocks * block_size,
+                    write_positions=write_positions, off_home_chunks=chunks, home=home_batch,
+                    key_start=key_start, masked=masked, release_pool=released,
+                    home_slots=home.slot)
+
+
+def _plan_attention(home: HomeSlots, qsl: torch.Tensor, lens: torch.Tensor,
+                    block_table: torch.Tensor, block_size: int, path: str,
+                    scheduler_metadata: ScheduleFn | None, rotated: KeyShadowIndex,
+                    key_start: torch.Tensor | None, positions: torch.Tensor | None
+                    ) -> tuple[list[OffHomeBatch], SubBatch | None, bool]:
+    """The kernel calls of requests without a key mask: ``(off-home chunks, home batch,
+    pool released)``; ``positions`` only when some request computes several holes."""
+    if lens.numel() == 0:  # every request of the step is masked
+        return [], None, rotated.note_step(False)
+    gapped = positions is not None
     offset = None
     if (key_start is not None or gapped) and path != "torch":
-        starts = key_start if key_start is not None else torch.zeros(num_tokens,
+        if positions is None:
+            req_of_token = torch.repeat_interleave(torch.arange(lens.numel()),
+                                                   qsl[1:] - qsl[:-1])
+            positions = (lens - (qsl[1:] - qsl[:-1]) - qsl[:-1])[req_of_token] + torch.arange(
+                int(qsl[-1]))
+        starts = key_start if key_start is not None else torch.zeros(positions.numel(),
                                                                      dtype=torch.int64)
         qsl, lens, block_table, offset = _isolated_rows(qsl, lens, block_table, positions,
                                                         starts, block_size)
@@ -238,10 +309,7 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
                                       None if offset is None else offset.tolist())
         home_batch = _sub_batch((~off).nonzero().flatten().tolist(), qsl, lens, block_table,
                                 scheduler_metadata)
-    return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
-                    write_blocks=blocks, write_offsets=slots - blocks * block_size,
-                    write_positions=write_positions, off_home_chunks=chunks, home=home_batch,
-                    key_start=key_start, release_pool=released, home_slots=home.slot)
+    return chunks, home_batch, released
 
 
 def _off_home_chunks(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
@@ -329,6 +397,24 @@ def gap_rows(qsl: torch.Tensor, positions: torch.Tensor
     row_lens = (positions[row_qsl[1:].long() - 1] + 1).to(torch.int32)
     return row_qsl, row_lens, req_of_token[starts]
 
+
+
+def _masked_batch(view: SpanView, qsl: torch.Tensor, lens: torch.Tensor,
+                  block_table: torch.Tensor, positions: torch.Tensor) -> MaskedBatch:
+    """The masked requests' rows (one per hole, :func:`gap_rows`), with their key positions."""
+    assert view.masked is not None and view.key_positions is not None
+    assert view.query_shift is not None
+    reqs = view.masked.nonzero().flatten().tolist()
+    rows = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in reqs])
+    sub_qsl = torch.zeros(len(reqs) + 1, dtype=torch.long)
+    sub_qsl[1:] = torch.cumsum(qsl[1:][reqs] - qsl[:-1][reqs], 0)
+    row_qsl, row_lens, row_req = gap_rows(sub_qsl, positions[rows])
+    req = torch.tensor(reqs, dtype=torch.long)[row_req]
+    return MaskedBatch(
+        rows=rows, query_start_loc=row_qsl.to(torch.int32), seq_lens=row_lens,
+        block_table=block_table[req], key_positions=view.key_positions[req],
+        query_shift=view.query_shift[rows],
+        key_start=None if view.key_start is None else view.key_start[rows])
 
 def _sub_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, scheduler_metadata: ScheduleFn | None) -> SubBatch:

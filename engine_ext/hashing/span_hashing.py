@@ -13,7 +13,12 @@ the first token of a block:
   ordinary full-prefix chain, i.e. the hash covers ``x_{<=i}``. A question block therefore only
   hits when the whole prompt before it is equal — never because an unrelated prompt happened to
   end with the same span.
-* anything else chains on from the previous block as usual.
+* anything else chains on from the previous block as usual, except that
+* a block of the stock chain that holds a layout token (SSEP, PDEP, PAD: the system prompt's
+  padding) leaves it: ``h_i = H(h_{i-1}, x_i, extra_i + LAYOUT_TAG)``, and every SSEP-led block
+  carries ``LAYOUT_TAG`` too. Under rule 1 (docs/design.md §2) an opted-in request's layout tokens
+  are invisible, so such a block's KV differs from what a plain request computes for the same
+  tokens; without the tag a plain request starting with those tokens would hit it.
 
 ``g`` (the stock full-prefix chain) is kept next to the MiniPIC chain on the request, because PDEP
 needs it and because it is exactly what vLLM would have computed.
@@ -42,6 +47,7 @@ from minipic.span_contract.errors import EngineIntegrationError
 from minipic.span_contract.span_config import SpanConfig, spans_opted_in
 
 PDEP_TAG = ("minipic", "pdep")
+LAYOUT_TAG = ("minipic", "layout")
 
 
 def _with_salt(request: Any, extra_keys: tuple | None, start_token_idx: int) -> tuple | None:
@@ -97,6 +103,7 @@ def make_span_block_hasher(
     from vllm.v1.core import kv_cache_utils as kcu
 
     ssep, pdep = config.ssep_id, config.pdep_id
+    layout = frozenset((config.ssep_id, config.pdep_id, config.pad_id))
 
     def request_block_hasher(request: Any) -> list[bytes]:
         start = len(request.block_hashes) * hash_block_size
@@ -123,8 +130,9 @@ def make_span_block_hasher(
             if first is None:
                 pic = full
             elif first == ssep:
+                salted = _with_salt(request, extra, start)
                 pic = kcu.hash_block_tokens(
-                    caching_hash_fn, None, block, _with_salt(request, extra, start)
+                    caching_hash_fn, None, block, (*(salted or ()), LAYOUT_TAG)
                 )
             elif first == pdep:
                 salted = _with_salt(request, extra, start)
@@ -132,7 +140,8 @@ def make_span_block_hasher(
                     caching_hash_fn, prev_full, block, (*(salted or ()), PDEP_TAG)
                 )
             elif prev_pic == prev_full:  # no marker so far: the stock chain
-                pic = full
+                pic = full if layout.isdisjoint(block) else kcu.hash_block_tokens(
+                    caching_hash_fn, prev_full, block, (*(extra or ()), LAYOUT_TAG))
             else:
                 pic = kcu.hash_block_tokens(caching_hash_fn, prev_pic, block, extra)
             full_chain.append(full)

@@ -18,7 +18,7 @@ forward pass, and stops the engine with :class:`EngineIntegrationError` when any
    runner), and every decoder attention layer of the model has minipic's position-free impl with
    its rotary module attached (``engine_ext/attention/unrotated_keys.py`` converted it);
 2. **dynamic, every such step:** the position-free metadata builder asks for span isolation
-   inside the isolation hook (``span_isolation.step_key_starts`` raises when it is called
+   inside the isolation hook (``span_isolation.step_span_view`` raises when it is called
    outside the hook while an opted-in step is expected), and at least one such builder ran in
    the step (a builder that never asks is a foreign backend).
 

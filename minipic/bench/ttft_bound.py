@@ -135,6 +135,8 @@ BUCKETS: tuple[tuple[str, Callable[[str], bool]], ...] = (
      and _label(p) == "attn.kernel"),
     ("off-home fill: copies (home blocks, private scratch)",
      lambda p: _label(p) == "attn.off_home"),
+    ("masked attention (rule 1: torch path)", lambda p: _under(p, "attn.masked")
+     or _label(p) == "attn.masked"),
     ("home attention kernel", lambda p: _label(p) == "attn.kernel"),
     ("KV write (incl. RoPE at write)", lambda p: _under(p, "attn.layer") and (
         _under(p, "attn.write") or _label(p) in ("attn.write", "attn.reshape_and_cache",
@@ -145,7 +147,7 @@ BUCKETS: tuple[tuple[str, Callable[[str], bool]], ...] = (
      or _label(p) == "runner.model_forward"),
     ("step planning (plan_step)", lambda p: _under(p, "plan.step_plan")
      or _label(p) == "plan.step_plan"),
-    ("span isolation (step_key_starts)", lambda p: _label(p) == "plan.key_starts"),
+    ("span view (step_span_view)", lambda p: _label(p) == "plan.span_view"),
     ("attention metadata, other", lambda p: _label(p) == "runner.attn_metadata"),
     ("prepare inputs", lambda p: _label(p) == "runner.prepare_inputs"),
     ("sampling", lambda p: _label(p) in ("runner.sample", "worker.sample_tokens")),

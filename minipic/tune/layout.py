@@ -1,15 +1,23 @@
 """The student's view of a prompt: the SDK's span layout as an attention mask, in transformers.
 
-docs/design.md §2 defines what a span layout means: a span's tokens, from its SSEP to the end of
-its padding, attend only within their span; every other token attends causally to everything
-before it; positions are the global ones. That is what the engine computes for a warm final
-prompt, so it is what the student is trained under and what the tests check the engine against
-(``tests/support/pic_reference.py`` imports these two functions).
+docs/design.md §2 defines what a span layout means, and this module is its executable form:
+
+* **block attention**: a span's tokens, from its SSEP to the end of its padding, attend only
+  within their span; every other token attends causally to everything before it;
+* **rule 1, the layout is invisible**: the layout tokens (SSEP, PDEP, PAD) steer block hashing
+  and segments, never attention. No query attends them but their own (a layout token sees only
+  itself), and they take no RoPE position: a real token sits at the number of real tokens before
+  it, the position it has in the plain prompt (up to one constant shift per request).
+
+That is what the engine computes for a warm final prompt, so it is what the student is trained
+under and what the tests check the engine against (``tests/support/pic_reference.py`` imports
+:func:`layout_view`). With every token computed in context, rule 1 makes a span layout equal the
+plain prompt, which is why markers may cost hashing bytes but never fidelity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +45,37 @@ def block_attention_allowed(length: int, spans: Sequence[tuple[int, ...]]) -> to
     for start, end, *_ in spans:
         allowed[start:end, :start] = False
     return allowed
+
+
+def layout_flags(token_ids: Sequence[int], layout_ids: Collection[int]) -> torch.Tensor:
+    """Bool ``[len]``: which tokens are layout (SSEP, PDEP, PAD). The SDK never produces those
+    ids from user text (``prompt_builder/encoding.py``), so the ids alone say it."""
+    ids = torch.tensor(list(token_ids), dtype=torch.long)
+    return torch.isin(ids, torch.tensor(sorted(layout_ids), dtype=torch.long))
+
+
+def logical_positions(layout: torch.Tensor) -> torch.Tensor:
+    """RoPE position of every token under rule 1: the number of real tokens before it (a layout
+    token gets the position of the real token after it; it attends only itself, so its own
+    position changes nothing)."""
+    real = (~layout).long()
+    return torch.cumsum(real, 0) - real
+
+
+def layout_view(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
+                layout_ids: Collection[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(allowed [len, len], positions [len])`` of a span-opted-in prompt under block attention
+    and rule 1. ``layout_ids=()`` gives block attention at physical positions (the layout as
+    the model saw it before rule 1)."""
+    length = len(token_ids)
+    allowed = block_attention_allowed(length, spans)
+    if not layout_ids:
+        return allowed, torch.arange(length)
+    layout = layout_flags(token_ids, layout_ids)
+    allowed &= ~layout.unsqueeze(0)
+    allowed[layout] = False
+    allowed |= torch.eye(length, dtype=torch.bool)
+    return allowed, logical_positions(layout)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

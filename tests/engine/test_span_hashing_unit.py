@@ -2,7 +2,8 @@
 
 The engine tests show the behaviour end to end; these pin the hash algebra itself on fresh
 random token sequences: no special token -> byte-identical to stock vLLM; SSEP -> independent of
-what precedes; PDEP -> dependent on everything before; salt -> part of every reset block.
+what precedes; PDEP -> dependent on everything before; salt -> part of every reset block; a block
+holding a layout token (whose KV rule 1 computes differently) -> never a plain request's hash.
 """
 
 from __future__ import annotations
@@ -85,6 +86,24 @@ def test_pdep_depends_on_whole_prefix_and_plain_block_does_not(hashers):
     a = make_request(sys_a + doc + question, pic).block_hashes
     b = make_request(sys_b + doc + question, pic).block_hashes
     assert a[2] == b[2]  # without PDEP the question block would be shared
+
+
+def test_blocks_with_layout_tokens_never_hash_like_a_plain_requests(hashers):
+    """Rule 1 hides an opted-in request's SSEP, PDEP and PAD from attention, so a block holding
+    one has other KV than a plain request computes for the same tokens: no shared hash. Blocks
+    before the first layout token keep the stock hash (same KV, shared prefix cache)."""
+    stock, pic = hashers
+    rng = random.Random()
+    system = plain_tokens(BS + 20, rng) + [CFG.pad_id] * (BS - 20)  # 2 blocks, pads in the 2nd
+    ids = system + span(1, rng) + plain_tokens(BS, rng)
+    opted = make_request(ids, pic).block_hashes
+    plain = make_request(ids, stock).block_hashes
+    assert opted[0] == plain[0]
+    assert not set(opted[1:]) & set(plain)
+    # a span at offset 0 (SSEP first) is not a plain request's first block either
+    doc = span(2, rng)
+    assert not set(make_request(doc, pic).block_hashes) & set(make_request(doc, stock).block_hashes)
+    assert make_request(ids, pic, opt_in=False).block_hashes == plain
 
 
 def test_salt_is_part_of_every_reset_block(hashers):

@@ -2,10 +2,12 @@
 
 docs/design.md §2 defines what a PIC prompt means: a span's tokens (from its SSEP to the end
 of its padding) attend only within their span, every other token attends causally to everything
-before it, and positions are the global ones. Because RoPE is relative, computing a span at
-offset 0 (its span prefill) and reading its keys at offset ``o`` equals computing it at ``o``
-under this mask -- so this single forward pass is what the engine must reproduce, whatever it
-reused from the cache. Nothing here shares code with vLLM or minipic's engine side.
+before it; and (rule 1) the layout tokens -- SSEP, PDEP, PAD -- are attended by no query but their
+own and take no position: a real token sits at the number of real tokens before it. Because RoPE
+is relative, computing a span alone (its span prefill) and reading its keys at another offset
+equals computing it there under this mask -- so this single forward pass is what the engine must
+reproduce, whatever it reused from the cache. Nothing here shares code with vLLM or minipic's
+engine side (the mask is ``minipic.tune.layout``'s, the definition the student trains under).
 
 Also builds PIC prompts from SpanConfig ids (SSEP at each span start, PAD to the block size,
 PDEP before the question) and draws fresh random ordinary token ids.
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from minipic.span_contract.span_config import SpanConfig
-from minipic.tune.layout import additive_mask, block_attention_allowed
+from minipic.span_contract.special_tokens import span_config_for_model
+from minipic.tune.layout import additive_mask, block_attention_allowed, layout_view
 from minipic.tune.layout import isolated_runs as span_part_runs
 
 __all__ = ["PicPrompt", "PicReference", "REFERENCE_TOL", "block_attention_allowed",
@@ -75,29 +78,37 @@ def random_ordinary_ids(rng: random.Random, n: int, vocab_size: int,
 
 
 class PicReference:
-    """fp32 transformers model from the engine's own model folder."""
+    """fp32 transformers model from the engine's own model folder.
 
-    def __init__(self, model_dir: str) -> None:
+    ``layout_ids``: the tokens rule 1 hides (default: the model's own SSEP / PDEP / PAD, as the
+    engine derives them)."""
+
+    def __init__(self, model_dir: str, layout_ids: Sequence[int] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="eager"
         ).eval()
         self.vocab_size = self.model.config.vocab_size
+        if layout_ids is None:
+            cfg = span_config_for_model(model_dir)
+            layout_ids = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
+        self.layout_ids = tuple(layout_ids)
 
     @torch.inference_mode()
-    def logprobs(self, token_ids: Sequence[int],
-                 spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+    def logprobs(self, token_ids: Sequence[int], spans: Sequence[tuple[int, int]] = (),
+                 opted_in: bool = True) -> torch.Tensor:
         """``[len, vocab]`` log-softmax of the next-token logits at every position.
 
-        ``spans=()`` gives the plain causal model (what stock vLLM computes for any prompt).
+        ``spans=()`` with no layout token gives the plain causal model (what stock vLLM
+        computes). ``opted_in=False``: a request that never opted in to span semantics, whose
+        layout tokens (if any) are ordinary tokens to the engine.
         """
-        length = len(token_ids)
-        mask = additive_mask(block_attention_allowed(length, spans))
+        allowed, positions = layout_view(token_ids, spans, self.layout_ids if opted_in else ())
         out = self.model(
             input_ids=torch.tensor([list(token_ids)]),
-            attention_mask=mask,
-            position_ids=torch.arange(length).unsqueeze(0),
+            attention_mask=additive_mask(allowed),
+            position_ids=positions.unsqueeze(0),
             use_cache=False,
         )
         return torch.log_softmax(out.logits[0].float(), dim=-1)
@@ -124,13 +135,13 @@ REFERENCE_TOL = 1e-4
 
 
 def reference_error(out: object, token_ids: Sequence[int], spans: Sequence[tuple[int, int]],
-                    ref: PicReference) -> float:
+                    ref: PicReference, opted_in: bool = True) -> float:
     """``max_logprob_error`` of a vLLM ``RequestOutput`` for the prompt ``token_ids`` whose
     isolated spans are ``spans`` (``()``: the plain causal model), teacher-forced on the
-    engine's own tokens."""
+    engine's own tokens (``opted_in``: as in :meth:`PicReference.logprobs`)."""
     completion = out.outputs[0]  # type: ignore[attr-defined]
     full = list(token_ids) + list(completion.token_ids)
-    return max_logprob_error(completion, len(token_ids), ref.logprobs(full, spans))
+    return max_logprob_error(completion, len(token_ids), ref.logprobs(full, spans, opted_in))
 
 
 def prompt_error(out: object, prompt: PicPrompt, ref: PicReference) -> float:
