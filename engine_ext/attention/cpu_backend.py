@@ -172,7 +172,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVQuantMode,
 )
 
-from minipic.engine_ext.attention import cpu_kv_layout  # noqa: E402
+from minipic.engine_ext.attention import cpu_kv_layout, masked_rows  # noqa: E402
 from minipic.engine_ext.attention.key_shadow.pages import KeyShadow  # noqa: E402
 from minipic.engine_ext.attention.key_shadow.pool import KeyShadowIndex, pool_cap_entries  # noqa: E402
 from minipic.engine_ext.attention.span_isolation import step_positions, step_span_view  # noqa: E402
@@ -186,7 +186,6 @@ from minipic.engine_ext.attention.step_plan import (  # noqa: E402
 from minipic.kernels import (  # noqa: E402
     offset_cos_sin_cache,
     paged_attention_rope_ref,
-    rotate_by_offset,
     unrotate,
 )
 
@@ -502,21 +501,22 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
                        output: torch.Tensor) -> None:
         """Rule 1 (docs/design.md §2): the requests that hold layout tokens, with a key mask.
 
-        vLLM's C++ kernel attends every key of a row's range, so these rows run the torch path:
-        position-free keys un-rotated from their home slots, rotated at their logical positions
-        (layout keys hidden from every query but their own), queries moved from the physical
-        position the model rotated them at to their logical one.
+        vLLM's C++ kernel attends every key of a row's range, so these rows are attended with
+        torch (``engine_ext/attention/masked_rows.py``): the pages they read, keys moved from
+        their home to their logical positions, layout keys hidden from every query but their
+        own, queries moved from the physical position the model rotated them at.
         """
-        batch = plan.masked
-        assert batch is not None and plan.home_slots is not None
-        keys, values, table = self._position_free_pages(layer, key_cache, value_cache,
-                                                        batch.block_table, plan.home_slots, rope)
-        queries = rotate_by_offset(query[batch.rows], batch.query_shift, rope.cos_sin_cache,
-                                   rope.rotary_dim, rope.is_neox_style)
-        output[batch.rows] = paged_attention_rope_ref(
-            queries, keys, values, table, batch.seq_lens, batch.query_start_loc,
-            rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style, self.scale,
-            key_start=batch.key_start, key_positions=batch.key_positions)
+        assert plan.masked is not None and plan.home_slots is not None
+        block_size, head_size = key_cache.shape[2], key_cache.shape[3]
+        prepared = masked_rows.prepare(plan.masked, plan.home_slots, block_size,
+                                       rope.cos_sin_cache, rope.rotary_dim)
+        layout = self._layout(layer, key_cache)
+        heads = key_cache.shape[1]
+        keys = layout.plain_keys(key_cache[prepared.blocks]).transpose(1, 2)
+        values = layout.plain_values(value_cache[prepared.blocks]).transpose(1, 2)
+        masked_rows.attend(prepared, query, keys.reshape(-1, heads, head_size),
+                           values.reshape(-1, heads, head_size), rope.rotary_dim,
+                           rope.is_neox_style, self.scale, output)
 
     def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, block_table: torch.Tensor,

@@ -82,6 +82,8 @@ class MaskedBatch:
     key_positions: torch.Tensor  # [R, W] int64
     query_shift: torch.Tensor  # [T] int64
     key_start: torch.Tensor | None  # [T] int64 (None: 0)
+    # what every layer of the step shares, built by the first (``attention/masked_rows.py``)
+    derived: dict = dataclasses.field(default_factory=dict)
 
 
 class HomeSlots:

@@ -256,10 +256,17 @@ def test_engine_code_hash_follows_the_code(tmp_path) -> None:
     for package in ("engine_ext", "kernels"):
         shutil.copytree(repo / package, tmp_path / package,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    before = code_hash(tmp_path)
-    target = tmp_path / "engine_ext" / "span_store" / "worker_side.py"
-    target.write_text(target.read_text() + "\n# an edit\n")
-    assert code_hash(tmp_path) != before
+    seen = {code_hash(tmp_path)}
+    # any engine file, and every file that decides what attention computes (rule 1 among it:
+    # entries written under the old layout rule must never load under the new one)
+    for name in ("engine_ext/span_store/worker_side.py", "engine_ext/attention/span_isolation.py",
+                 "engine_ext/attention/step_plan.py", "engine_ext/attention/cpu_backend.py",
+                 "engine_ext/attention/cuda_backend.py", "engine_ext/hashing/span_hashing.py",
+                 "kernels/paged_attention_ref.py", "kernels/triton_paged_attention.py"):
+        target = tmp_path / name
+        target.write_text(target.read_text() + "\n# an edit\n")
+        seen.add(code_hash(tmp_path))
+    assert len(seen) == 9
 
 
 def test_tensor_parallel_gets_a_core_group_per_rank(tmp_path, monkeypatch) -> None:
