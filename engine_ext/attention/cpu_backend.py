@@ -385,7 +385,7 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
                 raise RuntimeError(
                     "minipic: a span-opted-in request reached a layer that keeps stock rotated "
                     "keys in a position-free group; its layout tokens cannot be hidden there")
-            self._attend_masked(layer, query, key_cache, value_cache, plan, rope, output)
+            self._attend_masked(layer, query, key_cache, kv_cache, plan, rope, output)
         if path == "torch":
             return self._attend_torch(layer, query, key_cache, value_cache, plan,
                                       attn_metadata.causal, rope, output)
@@ -497,26 +497,26 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         return shadow
 
     def _attend_masked(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, plan: StepPlan, rope: torch.nn.Module,
+                       kv_cache: torch.Tensor, plan: StepPlan, rope: torch.nn.Module,
                        output: torch.Tensor) -> None:
         """Rule 1 (docs/design.md §2): the requests that hold layout tokens, with a key mask.
 
         vLLM's C++ kernel attends every key of a row's range, so these rows are attended with
-        torch (``engine_ext/attention/masked_rows.py``): the pages they read, keys moved from
-        their home to their logical positions, layout keys hidden from every query but their
-        own, queries moved from the physical position the model rotated them at.
+        torch (``engine_ext/attention/masked_rows.py``): the keys and values they read gathered
+        from the cache, keys moved from their home to their logical positions by the model's
+        rotary op, layout keys hidden from every query but their own, queries moved from the
+        physical position the model rotated them at.
         """
         assert plan.masked is not None and plan.home_slots is not None
-        block_size, head_size = key_cache.shape[2], key_cache.shape[3]
-        prepared = masked_rows.prepare(plan.masked, plan.home_slots, block_size,
-                                       rope.cos_sin_cache, rope.rotary_dim)
         layout = self._layout(layer, key_cache)
-        heads = key_cache.shape[1]
-        keys = layout.plain_keys(key_cache[prepared.blocks]).transpose(1, 2)
-        values = layout.plain_values(value_cache[prepared.blocks]).transpose(1, 2)
-        masked_rows.attend(prepared, query, keys.reshape(-1, heads, head_size),
-                           values.reshape(-1, heads, head_size), rope.rotary_dim,
-                           rope.is_neox_style, self.scale, output)
+        rows = masked_rows.prepare(plan.masked, plan.home_slots, layout, key_cache.shape[1])
+        table, shift = _offset_table(rope, key_cache.dtype)
+
+        def rotate(x: torch.Tensor, offsets: torch.Tensor) -> None:
+            ops.rotary_embedding(offsets + shift, x.view(x.shape[0], -1), None,
+                                 self.head_size, table, rope.is_neox_style)
+
+        masked_rows.attend(rows, query, kv_cache.view(-1), rotate, self.scale, output)
 
     def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, block_table: torch.Tensor,
