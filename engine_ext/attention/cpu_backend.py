@@ -509,14 +509,16 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         """
         assert plan.masked is not None and plan.home_slots is not None
         layout = self._layout(layer, key_cache)
-        rows = masked_rows.prepare(plan.masked, plan.home_slots, layout, key_cache.shape[1])
+        rows = masked_rows.prepare(plan.masked, plan.home_slots, key_cache.shape[2])
         table, shift = _offset_table(rope, key_cache.dtype)
 
         def rotate(x: torch.Tensor, offsets: torch.Tensor) -> None:
             ops.rotary_embedding(offsets + shift, x.view(x.shape[0], -1), None,
                                  self.head_size, table, rope.is_neox_style)
 
-        masked_rows.attend(rows, query, kv_cache.view(-1), rotate, self.scale, output)
+        pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 2 * key_cache.shape[2],
+                              self.head_size)
+        masked_rows.attend(rows, query, pages, layout, rotate, self.scale, output)
 
     def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, block_table: torch.Tensor,
