@@ -469,6 +469,103 @@ def test_cuda_backend_glue_in_triton_interpreter(seed: int) -> None:
     _run_scenario(attend, rope, torch.float32, gen, f"CUSTOM backend, seed={seed}")
 
 
+def _layout_step(gen: torch.Generator, dtype: torch.dtype, rope) -> dict:
+    """A synthetic step under rule 1: request 0 (masked) prefills 70 tokens in blocks [1, 2, 3],
+    about a fifth of them layout tokens (hidden, no position), its tokens from 32 on isolated
+    in a segment; request 1 (plain) prefills 20 tokens in block [4]. Queries arrive rotated at
+    their physical positions, as the model rotates them; the expected output is the dense
+    reference with each query rotated at its logical position."""
+    from minipic.engine_ext.attention.span_isolation import SpanView
+    from minipic.kernels import dense_attention_ref, rotate
+
+    lens, tables = [70, 20], [[1, 2, 3], [4]]
+    layout = torch.rand(70, generator=gen) < 0.2
+    real = (~layout).long()
+    logical = torch.cumsum(real, 0) - real
+    key_positions = torch.zeros(2, 70, dtype=torch.int64)
+    key_positions[0] = torch.where(layout, -1, logical)
+    key_positions[1, :20] = torch.arange(20)
+    physical = torch.cat([torch.arange(70), torch.arange(20)])
+    shift = torch.cat([logical - torch.arange(70), torch.zeros(20, dtype=torch.int64)])
+    key_start = torch.cat([torch.where(torch.arange(70) >= 32, 32, 0),
+                           torch.zeros(20, dtype=torch.int64)])
+    unrotated = torch.randn(90, HEADS, HEAD, generator=gen).to(dtype)
+    keys = torch.randn(90, KV_HEADS, HEAD, generator=gen).to(dtype)
+    values = torch.randn(90, KV_HEADS, HEAD, generator=gen).to(dtype)
+    qsl = torch.tensor([0, 70, 90], dtype=torch.int32)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    for r, blocks in enumerate(tables):
+        table[r, : len(blocks)] = torch.tensor(blocks)
+    slots = torch.tensor([tables[r][p // BLOCK] * BLOCK + p % BLOCK
+                          for r, n in enumerate(lens) for p in range(n)])
+    args = (rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)
+    expected = dense_attention_ref(
+        rotate(unrotated, physical + shift, *args), [keys[:70], keys[70:]],
+        [values[:70], values[70:]], qsl, *args, HEAD**-0.5, key_start=key_start,
+        key_positions=key_positions)
+    return dict(query=rotate(unrotated, physical, *args), keys=keys, values=values, qsl=qsl,
+                seq_lens=torch.tensor(lens, dtype=torch.int32), table=table, slots=slots,
+                view=SpanView(key_start=key_start, masked=torch.tensor([True, False]),
+                              key_positions=key_positions, query_shift=shift),
+                expected=expected, layout=layout)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_hides_layout_tokens(dtype: torch.dtype, seed: int, monkeypatch) -> None:
+    """Rule 1 in the CPU backend without an engine: a request holding layout tokens goes to the
+    masked rows (a plain one in the same step stays on vLLM's kernel), and the step equals the
+    dense reference with layout keys hidden and queries at their logical positions."""
+    rope = neox_rope(HEAD, dtype)
+    attn = CpuAttention("auto", dtype, rope, None, monkeypatch, heads=HEADS, kv_heads=KV_HEADS,
+                        head=HEAD, block=BLOCK)
+    step = _layout_step(torch.Generator().manual_seed(seed), dtype, rope)
+    plan = attn.plan(step["qsl"], step["seq_lens"], step["table"], step["slots"],
+                     key_start=step["view"].key_start, view=step["view"])
+    assert plan.masked is not None and plan.masked.rows.tolist() == list(range(70))
+    assert plan.home is not None and plan.home.rows.tolist() == list(range(70, 90))
+    out = attn.forward(step["query"], step["keys"], step["values"], step["qsl"],
+                       step["seq_lens"], step["table"], step["slots"], plan)
+    expected = step["expected"]
+    tol = ATTENTION_ULPS[dtype] * ulp(float(expected.abs().max()), dtype)
+    check_close(out, expected, atol=tol, rtol=0.0, what=f"masked rows, {dtype}", seed=seed)
+    # a layout query sees only itself: its output is its own value, exactly
+    own = step["values"][:70][step["layout"]].repeat_interleave(HEADS // KV_HEADS, dim=1)
+    assert torch.equal(out[:70][step["layout"]], own), f"seed={seed}"
+
+
+@pytest.mark.fast
+def test_cuda_backend_glue_hides_layout_tokens(seed: int) -> None:
+    """The CUSTOM backend's rule-1 glue (queries moved to their logical positions, the kernel's
+    ``key_positions``) on the same step, through Triton's interpreter."""
+    pytest.importorskip("triton")
+    import minipic.kernels.triton_paged_attention as triton_kernel
+    from minipic.engine_ext.attention.cuda_backend import (
+        MinipicCudaAttentionImpl,
+        MinipicCudaMetadata,
+    )
+
+    if "Interpreted" not in type(triton_kernel._paged_attention_rope_kernel).__name__:
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set")
+    rope = neox_rope(HEAD, torch.float32)
+    impl = MinipicCudaAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS)
+    impl.minipic_rope = rope
+    step = _layout_step(torch.Generator().manual_seed(seed), torch.float32, rope)
+    view = step["view"]
+    rows = (view.query_shift != 0).nonzero().flatten()
+    md = MinipicCudaMetadata(
+        num_actual_tokens=90, max_query_len=70, query_start_loc=step["qsl"],
+        seq_lens=step["seq_lens"], block_table=step["table"], slot_mapping=step["slots"],
+        key_start=view.key_start, key_positions=view.key_positions, masked_rows=rows,
+        query_shift=view.query_shift[rows])
+    out = torch.full_like(step["query"], float("nan"))
+    impl.forward(None, step["query"], step["keys"], step["values"],
+                 torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD), md, out)
+    expected = step["expected"]
+    tol = ATTENTION_ULPS[torch.float32] * ulp(float(expected.abs().max()), torch.float32)
+    check_close(out, expected, atol=tol, rtol=0.0, what="CUSTOM backend, rule 1", seed=seed)
+
+
 @pytest.mark.fast
 def test_query_only_rotary_and_supported_rope_variants() -> None:
     """The model-side swap rotates q exactly as the model would and hands k through untouched;
