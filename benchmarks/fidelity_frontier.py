@@ -10,6 +10,11 @@ full attention and block_attention, and whether it meets the fidelity goal of is
 ≥ 90%, KL ≤ 0.10, greedy = full ≥ 50%, TTFT ≤ 1.5× block_attention and ≤ 0.3× full attention).
 The Pareto frontier (lower KL, lower TTFT ratio) is drawn over all rows.
 
+``--paired OLD:NEW`` (labels of two runs on the same items, e.g. the code before and after a
+change) adds, per mode both ran, the paired per-item difference NEW − OLD of KL and top-1 with
+a bootstrap 95% CI: the items are the same, so the difference's CI is far narrower than the two
+rows' CIs side by side.
+
 Writes ``frontier.json``, ``frontier.md`` and ``frontier.png`` to ``--out``.
 """
 
@@ -103,6 +108,38 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def paired(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per mode both runs have: mean and bootstrap CI of NEW − OLD over their common items."""
+    from minipic.eval.metrics import bootstrap_ci, bootstrap_indices
+
+    before = {it["id"]: it for it in old["items"]}
+    common = [it for it in new["items"] if it["id"] in before]
+    out = []
+    for mode in new["summary"]["modes"]:
+        pairs = [(before[it["id"]]["modes"].get(mode), it["modes"].get(mode)) for it in common]
+        pairs = [(a, b) for a, b in pairs if a and b and "kl_mean" in a and "kl_mean" in b]
+        if not pairs:
+            continue
+        idx = bootstrap_indices(len(pairs))
+        row: dict[str, Any] = {"mode": mode, "n": len(pairs)}
+        for key in ("kl_mean", "top1_agreement"):
+            mean, low, high = bootstrap_ci([b[key] - a[key] for a, b in pairs], indices=idx)
+            row[key] = {"mean": mean, "ci95": [low, high]}
+        out.append(row)
+    return out
+
+
+def paired_table(old_label: str, new_label: str, rows: list[dict[str, Any]]) -> str:
+    lines = [f"| mode | n | Δ KL ({new_label} − {old_label}) [CI] | Δ top-1, points [CI] |",
+             "|---|---|---|---|"]
+    for r in rows:
+        kl, top = r["kl_mean"], r["top1_agreement"]
+        lines.append(f"| {r['mode']} | {r['n']} | {kl['mean']:+.3f} [{kl['ci95'][0]:+.3f}, "
+                     f"{kl['ci95'][1]:+.3f}] | {top['mean'] * 100:+.1f} "
+                     f"[{top['ci95'][0] * 100:+.1f}, {top['ci95'][1] * 100:+.1f}] |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict[str, Any]], front: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -147,13 +184,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="an eval.json run with --concurrency 1 whose TTFTs replace the "
                              "quality runs' (theirs include other items' work when they ran "
                              "several items at once)")
+    parser.add_argument("--paired", default=None, metavar="OLD:NEW",
+                        help="two run labels on the same items: per-item paired NEW - OLD")
     args = parser.parse_args(argv)
     rows = []
+    reports: dict[str, dict[str, Any]] = {}
     for spec in args.runs:
         label, sep, path = spec.partition("=")
         if not sep or not Path(path).is_file():
             parser.error(f"{spec!r}: expected LABEL=path/to/eval.json (an existing file)")
-        rows += rows_of(label, json.loads(Path(path).read_text()))
+        reports[label] = json.loads(Path(path).read_text())
+        rows += rows_of(label, reports[label])
     if args.ttft_from is not None:
         if not args.ttft_from.is_file():
             parser.error(f"--ttft-from {args.ttft_from}: no such file")
@@ -163,8 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     report = {"goal": GOAL, "rows": rows, "ttft_from": str(args.ttft_from or ""),
               "frontier": [(r["run"], r["mode"]) for r in front],
               "meets_goal": [(r["run"], r["mode"]) for r in rows if all(r["goal"].values())]}
-    (args.out / "frontier.json").write_text(json.dumps(report, indent=1))
     text = table(rows)
+    if args.paired:
+        old, sep, new = args.paired.partition(":")
+        if not sep or old not in reports or new not in reports:
+            parser.error(f"--paired {args.paired!r}: expected OLD:NEW, two of the run labels")
+        report["paired"] = {"old": old, "new": new, "rows": paired(reports[old], reports[new])}
+        text += "\n\n" + paired_table(old, new, report["paired"]["rows"])
+    (args.out / "frontier.json").write_text(json.dumps(report, indent=1))
     (args.out / "frontier.md").write_text(text + "\n")
     plot(rows, front, args.out / "frontier.png")
     print(text)

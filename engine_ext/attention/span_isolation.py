@@ -1,4 +1,11 @@
-"""Span isolation in the worker: the first key each query of a step may attend to.
+"""The span rules in the worker: which keys each query of a step may attend to, and where RoPE
+puts every token of a span request.
+
+Two rules (docs/design.md §2), both functions of a request's tokens: span isolation (the first
+key each query may attend to, ``key_start``) and rule 1 (SSEP, PDEP and PAD are attended by no
+query but their own and take no position: each key's logical position, each query's shift from
+its physical one). :func:`step_span_view` derives both for the step being built, once, for
+every layer's attention.
 
 Attention metadata (``CommonAttentionMetadata``) carries lengths and block tables but no token
 ids, while the isolation rule (``engine_ext/attention/span_segments.py``) is a function of the

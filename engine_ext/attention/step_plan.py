@@ -12,7 +12,10 @@ runs it):
   (``engine_ext/attention/key_shadow/pool.py`` indexes them), in chunks that read each block at one
   slot and fit the pool's cap;
 * span isolation (``engine_ext/attention/span_isolation.py``): each run of a request's queries with
-  one ``key_start`` becomes its own kernel row whose table starts at that key's block.
+  one ``key_start`` becomes its own kernel row whose table starts at that key's block;
+* rule 1 (docs/design.md §2): the requests that hold layout tokens need a key mask, which vLLM's
+  kernel lacks, so they leave the kernel batches for :class:`MaskedBatch`
+  (``engine_ext/attention/masked_rows.py`` attends them).
 
 Invariants: a block is written by one request at one table slot per step (only full blocks are
 shared), so one home slot per block describes the keys of every layer of the group; a shadow
