@@ -14,23 +14,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .paged_attention_ref import dense_attention_ref, paged_attention_rope_ref
-from .rope import (
-    apply_rotation,
-    offset_cos_sin_cache,
-    offset_rotation,
-    rotate,
-    rotate_by_offset,
-    unrotate,
-)
+from .rope import offset_cos_sin_cache, rotate, rotate_by_offset, unrotate
 
 if TYPE_CHECKING:
     from .triton_paged_attention import paged_attention_rope_triton
 
 __all__ = [
-    "apply_rotation",
     "dense_attention_ref",
     "offset_cos_sin_cache",
-    "offset_rotation",
     "paged_attention_rope_ref",
     "paged_attention_rope_triton",
     "rotate",

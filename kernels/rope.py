@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "apply_rotation", "offset_cos_sin_cache", "offset_rotation", "rotate", "rotate_by_offset",
-    "split_cos_sin", "table_scale", "unrotate",
+    "offset_cos_sin_cache", "rotate", "rotate_by_offset", "split_cos_sin", "table_scale",
+    "unrotate",
 ]
 
 
@@ -108,21 +108,6 @@ def rotate_by_offset(
                          f"token; got {tuple(x.shape)} and {offsets.numel()} offsets")
     cos, sin = _offset_cos_sin(cos_sin_cache, offsets.flatten().to(torch.long), rotary_dim)
     return _apply(x.float(), cos, sin, rotary_dim, is_neox).to(x.dtype)
-
-
-def offset_rotation(cos_sin_cache: torch.Tensor, offsets: torch.Tensor,
-                    rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` ``[n, rotary_dim // 2]`` fp32 of :func:`rotate_by_offset`'s move by
-    ``offsets``, for callers that apply one move to many tensors (every layer of a step) with
-    :func:`apply_rotation`."""
-    return _offset_cos_sin(cos_sin_cache, offsets.flatten().to(torch.long), rotary_dim)
-
-
-def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
-                   is_neox: bool) -> torch.Tensor:
-    """``x`` ``[tokens, heads, D]`` rotated by per-token ``cos`` / ``sin`` (from
-    :func:`split_cos_sin` or :func:`offset_rotation`), in fp32; the result stays fp32."""
-    return _apply(x.float(), cos, sin, rotary_dim, is_neox)
 
 
 def offset_cos_sin_cache(cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
