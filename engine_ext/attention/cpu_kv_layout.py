@@ -84,6 +84,7 @@ class PageLayout:
         return pages.reshape(-1).index_select(0, index).view(-1, heads * self.head_size)
 
     @functools.cache  # noqa: B019 (a handful of layouts, alive for the whole process)
+    @functools.cache  # noqa: B019 (a handful of layouts; asked per layer on the masked path)
     def column_major_keys(self) -> bool:
         """Whether the key page is plain ``[D, bs]``: key ``(t, d)`` at page cell ``d*bs + t``."""
         transpose = torch.arange(self.block_size * self.head_size).view(

@@ -16,7 +16,7 @@ the sampling params that say whether a request opted in to span semantics.
 
 So we wrap ``GPUModelRunner._build_attention_metadata`` (the CPU runner inherits it) to note
 which runner is building metadata; a position-free metadata builder then asks
-:func:`step_key_starts` for the step's per-token ``key_start`` while it builds. Outside that call
+:func:`step_span_view` for the step's per-token ``key_start`` while it builds. Outside that call
 (profiling runs) there is no step and isolation is off. A step that computes opted-in tokens
 outside the hook (vLLM's V2 model runner never calls the wrapped method) is refused:
 ``engine_ext/vllm_surface/integration_guard.py`` marks such steps with :func:`expect_isolated_step`.
@@ -113,13 +113,6 @@ class SpanView:
     @property
     def any_masked(self) -> bool:
         return self.masked is not None and bool(self.masked.any())
-
-
-def step_key_starts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    block_size: int) -> torch.Tensor | None:
-    """``key_start`` per query token of the step being built (int64), or None if no token of
-    the step is isolated (:func:`step_span_view`'s ``key_start``)."""
-    return step_span_view(query_start_loc, seq_lens, block_size).key_start
 
 
 def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

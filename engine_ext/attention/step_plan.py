@@ -257,7 +257,7 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
         sub_qsl = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(q_lens[keep], 0)])
         chunks, home_batch, released = _plan_attention(
             home, sub_qsl, lens[keep], block_table[keep], block_size, path, scheduler_metadata,
-            rotated, None, positions[kept_rows] if gapped else None)
+            rotated, None, positions[kept_rows], gapped)
         for batch in [*chunks, home_batch]:
             if batch is not None:
                 batch.rows = kept_rows[batch.rows]
@@ -266,7 +266,7 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     else:
         chunks, home_batch, released = _plan_attention(
             home, qsl, lens, block_table, block_size, path, scheduler_metadata, rotated,
-            key_start, positions if gapped else None)
+            key_start, positions, gapped)
     return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
                     write_blocks=blocks, write_offsets=slots - blocks * block_size,
                     write_positions=write_positions, off_home_chunks=chunks, home=home_batch,
@@ -277,20 +277,14 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
 def _plan_attention(home: HomeSlots, qsl: torch.Tensor, lens: torch.Tensor,
                     block_table: torch.Tensor, block_size: int, path: str,
                     scheduler_metadata: ScheduleFn | None, rotated: KeyShadowIndex,
-                    key_start: torch.Tensor | None, positions: torch.Tensor | None
+                    key_start: torch.Tensor | None, positions: torch.Tensor, gapped: bool
                     ) -> tuple[list[OffHomeBatch], SubBatch | None, bool]:
     """The kernel calls of requests without a key mask: ``(off-home chunks, home batch,
-    pool released)``; ``positions`` only when some request computes several holes."""
+    pool released)``; ``gapped``: some request computes several holes."""
     if lens.numel() == 0:  # every request of the step is masked
         return [], None, rotated.note_step(False)
-    gapped = positions is not None
     offset = None
     if (key_start is not None or gapped) and path != "torch":
-        if positions is None:
-            req_of_token = torch.repeat_interleave(torch.arange(lens.numel()),
-                                                   qsl[1:] - qsl[:-1])
-            positions = (lens - (qsl[1:] - qsl[:-1]) - qsl[:-1])[req_of_token] + torch.arange(
-                int(qsl[-1]))
         starts = key_start if key_start is not None else torch.zeros(positions.numel(),
                                                                      dtype=torch.int64)
         qsl, lens, block_table, offset = _isolated_rows(qsl, lens, block_table, positions,

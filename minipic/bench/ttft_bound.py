@@ -299,7 +299,7 @@ PLOT_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                            "home attention kernel")),
     ("off-home fill (key shadow)", FILL_BUCKETS),
     ("planning, scheduling, lookup", ("step planning (plan_step)",
-                                      "span isolation (step_key_starts)",
+                                      "span view (step_span_view)",
                                       "attention metadata, other",
                                       "scheduling: lookup (incl. past misses)",
                                       "scheduling: attach cached runs", "scheduling: other",
