@@ -62,6 +62,7 @@ from minipic.span_contract.special_tokens import (
     NoSpanTokensError,
     default_span_config,
     family_span_config,
+    model_sink_ids,
 )
 
 
@@ -144,9 +145,12 @@ class PromptBuilder:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         max_model_len: int | Literal["auto"] | None = "auto",
         block_size_multiple: int | None = None,
+        sink_ids: Sequence[int] | None = None,
     ) -> PromptBuilder:
         """Load the tokenizer of ``model_dir`` (None: minipic's default model) and pick markers.
 
+        ``sink_ids``: the opening copied after each span's SSEP (None: the model's own,
+        ``span_contract.special_tokens.model_sink_ids``; ``()``: spans without a sink).
         Marker ids default to the model family's unused special tokens
         (``span_contract.special_tokens``; ``family`` forces one); any id given explicitly overrides
         its default. ``max_model_len="auto"`` reads ``max_position_embeddings`` from the
@@ -159,7 +163,8 @@ class PromptBuilder:
         _check_block_size(block_size, block_size_multiple)
         path = resolve_model(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        config = cls._pick_span_config(tokenizer, block_size, family, ssep_id, pdep_id, pad_id)
+        config = cls._pick_span_config(tokenizer, block_size, family, ssep_id, pdep_id, pad_id,
+                                       sink_ids)
         if max_model_len == "auto":
             max_model_len = _model_max_len(path)
         return cls(
@@ -172,6 +177,7 @@ class PromptBuilder:
     def _pick_span_config(
         tokenizer: Any, block_size: int, family: str | None,
         ssep_id: int | None, pdep_id: int | None, pad_id: int | None,
+        sink_ids: Sequence[int] | None = None,
     ) -> SpanConfig:
         given = {"ssep_id": ssep_id, "pdep_id": pdep_id, "pad_id": pad_id}
         defaults: dict[str, int] = {}
@@ -187,8 +193,16 @@ class PromptBuilder:
                 f"{', '.join(FAMILY_TOKENS)})"
             ) from None
         ids = {k: (v if v is not None else defaults[k]) for k, v in given.items()}
+        sink = model_sink_ids(tokenizer) if sink_ids is None else tuple(sink_ids)
+        for name, tid in ids.items():
+            if tid in sink:
+                piece = tokenizer.convert_ids_to_tokens(tid)
+                raise SpanTokenError(
+                    f"{name}={tid} ({piece!r}) is a token of the model's opening, which every "
+                    "span carries as its sink; markers must be tokens the chat template never "
+                    "writes")
         try:
-            return SpanConfig(block_size=block_size, **ids)
+            return SpanConfig(block_size=block_size, sink_ids=sink, **ids)
         except PydanticValidationError as exc:
             raise SpanTokenError(f"invalid span token ids {ids}: {exc}") from None
 
@@ -244,9 +258,11 @@ class PromptBuilder:
                 raise EngineMismatchError(
                     f"engine configuration is not a SpanConfig: {exc}"
                 ) from None
+        # a builder without a sink suits any engine: its spans simply carry none
+        fields = [f for f in SpanConfig.model_fields if f != "sink_ids" or ours.sink_ids]
         diffs = [
             f"{field}: builder {getattr(ours, field)}, engine {getattr(engine, field)}"
-            for field in SpanConfig.model_fields
+            for field in fields
             if getattr(ours, field) != getattr(engine, field)
         ]
         if block_size is not None and block_size != engine.block_size:

@@ -46,8 +46,10 @@ class Segment(BaseModel):
     """A run of prompt tokens ``[start, end)`` with one role.
 
     ``marker`` says the segment's first token is SSEP or PDEP (placed at a block start); the
-    segment's content starts after it. ``pad`` segments hold PAD ids only and belong to the span
-    (or system) they follow. ``span_index`` is the span's position in the caller's list.
+    segment's content starts ``lead`` tokens in: after the marker and, after an SSEP, the
+    model's opening copied as the span's sink (``SpanConfig.sink_ids``). ``pad`` segments hold
+    PAD ids only and belong to the span (or system) they follow. ``span_index`` is the span's
+    position in the caller's list.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -60,6 +62,7 @@ class Segment(BaseModel):
     span_index: int | None = None
     marker: Marker | None = None
     part: SpanPart | None = None  # for spans: whole span, or head/body in boundary_recompute
+    lead: int = 0  # the marker and the sink before the content
 
     @property
     def length(self) -> int:
@@ -67,15 +70,16 @@ class Segment(BaseModel):
 
     @property
     def content_start(self) -> int:
-        return self.start + (self.marker is not None)
+        return self.start + self.lead
 
 
 class LayoutWriter:
     """Appends token pieces to a prompt, recording a ``Segment`` for each."""
 
-    def __init__(self, block_size: int, ssep_id: int, pdep_id: int, pad_id: int) -> None:
+    def __init__(self, block_size: int, ssep_id: int, pdep_id: int, pad_id: int,
+                 sink_ids: Sequence[int] = ()) -> None:
         self.block_size = block_size
-        self._marker_ids = {"ssep": ssep_id, "pdep": pdep_id}
+        self._leads = {"ssep": [ssep_id, *sink_ids], "pdep": [pdep_id]}
         self.pad_id = pad_id
         self.tokens: list[int] = []
         self.segments: list[Segment] = []
@@ -95,7 +99,7 @@ class LayoutWriter:
         if marker is not None:
             if len(self.tokens) % self.block_size:
                 raise AssertionError(f"{marker} placed at {len(self.tokens)}, not a block start")
-            head = [self._marker_ids[marker]]
+            head = self._leads[marker]
         if not head and not ids:
             return
         start = len(self.tokens)
@@ -103,7 +107,7 @@ class LayoutWriter:
         self.tokens.extend(ids)
         self.segments.append(
             Segment(kind=kind, start=start, end=len(self.tokens), reuse=reuse, marker=marker,
-                    span_id=span_id, span_index=span_index, part=part)
+                    span_id=span_id, span_index=span_index, part=part, lead=len(head))
         )
 
     def pad_to_block(

@@ -1,9 +1,10 @@
 """Prompt layouts: where the system prompt, spans and question go, and which markers lead them.
 
-Notation below: ``S`` = SSEP, ``P`` = PDEP, ``_`` = PAD, ``|`` = block boundary,
-``sys`` = the system span (BOS / chat-template header + system prompt + the user-turn header),
-``d_i`` = span i's tokens, ``q`` = the question with the template's tail (end of the user turn and
-the assistant header). Reuse is stated for the minipic engine (span hashing, a lookup that
+Notation below: ``S`` = SSEP with the span's sink after it (``SpanConfig.sink_ids``: a copy of
+the model's opening that only that span attends to, docs/design.md §2), ``P`` = PDEP,
+``_`` = PAD, ``|`` = block boundary, ``sys`` = the system span (BOS / chat-template header +
+system prompt + the user-turn header), ``d_i`` = span i's tokens, ``q`` = the question with the
+template's tail (end of the user turn and the assistant header). Reuse is stated for the minipic engine (span hashing, a lookup that
 continues past misses and computes only the holes, span isolation in attention; never the last
 token's block), once every span prefill of the prompt ran. ``BuiltPrompt.expected_cached_tokens``
 (= ``reusable_tokens``) is that number; ``BuiltPrompt.leading_cached_tokens`` is what a
@@ -123,10 +124,12 @@ class Layout(ABC):
     def __init__(self, config: SpanConfig) -> None:
         self.config = config
         self.block_size = config.block_size
+        # tokens before an SSEP-led segment's content: the SSEP and the span's sink
+        self.span_lead = 1 + len(config.sink_ids)
 
     def writer(self) -> LayoutWriter:
         c = self.config
-        return LayoutWriter(c.block_size, c.ssep_id, c.pdep_id, c.pad_id)
+        return LayoutWriter(c.block_size, c.ssep_id, c.pdep_id, c.pad_id, c.sink_ids)
 
     @abstractmethod
     def system_cost(self, n: int) -> int: ...
@@ -175,7 +178,7 @@ class BlockAttentionLayout(Layout):
         return padded(n, self.block_size)
 
     def span_cost(self, n: int) -> int:
-        return padded(n + 1, self.block_size) if n > 0 else 0
+        return padded(n + self.span_lead, self.block_size) if n > 0 else 0
 
     def question_cost(self, n: int) -> int:
         return n + 1
@@ -237,11 +240,12 @@ class BoundaryRecomputeLayout(Layout):
     with SSEP. Span prefill i is therefore ``[S d_i[k:] _...]``, the body alone: its KV then
     depends on exactly what its hashes cover (a prefill that also contained the head would let two
     documents with the same body but different openings share KV they must not share). In the
-    body's isolated computation the SSEP token, not the document's opening, is the first token
-    (the attention sink); the opening itself is computed in context, attending to everything
-    before it. ``k < block_size - 1`` recomputes only the first ``k`` tokens (EPIC), padding the
-    rest of the head block; ``k >= block_size`` recomputes several blocks. A span with at most
-    ``k`` tokens is all head: recomputed, no prefill.
+    body's isolated computation its sink (the model's opening after the SSEP), not the
+    document's opening, is what it sinks into; the document's opening itself is computed in
+    context, attending to everything before it. ``k < block_size - 1`` recomputes only the
+    first ``k`` tokens (EPIC), padding the rest of the head block; ``k >= block_size``
+    recomputes several blocks. A span with at most ``k`` tokens is all head: recomputed, no
+    prefill.
 
     Reused: the system span and every body (they hash like their prefills, and the engine's
     lookup continues past the PDEP-led heads, computing only the holes): ``expected_cached_tokens``
@@ -274,10 +278,10 @@ class BoundaryRecomputeLayout(Layout):
             return 0
         head = self.head_tokens(n)
         if head == 0:
-            return padded(n + 1, self.block_size)
+            return padded(n + self.span_lead, self.block_size)
         body = n - head
         cost = padded(head + 1, self.block_size)
-        return cost + padded(body + 1, self.block_size) if body else cost
+        return cost + padded(body + self.span_lead, self.block_size) if body else cost
 
     def question_cost(self, n: int) -> int:
         return n + 1
@@ -306,7 +310,8 @@ class SelectiveLayout(BoundaryRecomputeLayout):
     """Budgeted recompute: a share ``B`` of each span's blocks recomputed in context, from its
     start (``selective@B``).
 
-    A span of ``n`` tokens fills ``m = ceil((n + 1) / block_size)`` blocks in block_attention;
+    A span of ``n`` tokens fills ``m = ceil((n + lead) / block_size)`` blocks in block_attention
+    (``lead``: its SSEP and sink);
     here ``round(B * m)`` of them (half up) become its head, recomputed in context, PDEP-led,
     and the rest its body, reused (the boundary_recompute layout, with the head sized per span)::
 
@@ -332,7 +337,7 @@ class SelectiveLayout(BoundaryRecomputeLayout):
         self.share = share
 
     def head_tokens(self, n: int) -> int:
-        blocks = math.floor(self.share * math.ceil((n + 1) / self.block_size) + 0.5)
+        blocks = math.floor(self.share * math.ceil((n + self.span_lead) / self.block_size) + 0.5)
         return 0 if blocks == 0 else min(n, blocks * self.block_size - 1)
 
 

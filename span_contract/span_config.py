@@ -34,7 +34,14 @@ KNOWN_FEATURES = (*ALL_FEATURES, "ckpt")
 
 
 class SpanConfig(BaseModel):
-    """Block size and the three special token ids that mark span structure."""
+    """Block size, the three special token ids that mark span structure, and the sink.
+
+    ``sink_ids``: the model's own opening (its chat template's head with the default system
+    prompt, or its BOS), copied after every span's SSEP so that the span's tokens sink where
+    they would in full attention, not into their first token (docs/design.md §2). Only the span
+    sees its copy: the engine recognises it by these ids right after an SSEP at a block start.
+    Empty: spans carry no sink.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -42,6 +49,8 @@ class SpanConfig(BaseModel):
     ssep_id: int = Field(..., ge=0, description="span separator: block hash chain restarts")
     pdep_id: int = Field(..., ge=0, description="prompt dependent: block hash covers the prefix")
     pad_id: int = Field(..., ge=0, description="filler that aligns the next marker to a block")
+    sink_ids: tuple[int, ...] = Field(
+        (), description="the model's opening, copied after each span's SSEP, seen only by it")
 
     @model_validator(mode="after")
     def _distinct(self) -> SpanConfig:
@@ -50,6 +59,11 @@ class SpanConfig(BaseModel):
                 f"ssep_id, pdep_id and pad_id must be three different tokens, got "
                 f"{self.ssep_id}, {self.pdep_id}, {self.pad_id}"
             )
+        markers = {self.ssep_id, self.pdep_id, self.pad_id}.intersection(self.sink_ids)
+        if markers:
+            raise ValueError(f"sink_ids must not hold a marker id, got {sorted(markers)}")
+        if any(t < 0 for t in self.sink_ids):
+            raise ValueError("sink_ids must be token ids >= 0")
         return self
 
     def to_env(self, features: tuple[str, ...] = ALL_FEATURES) -> dict[str, str]:

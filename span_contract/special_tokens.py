@@ -89,7 +89,37 @@ def family_span_config(tokenizer: Any, family: str, block_size: int = 32) -> Spa
             f"{family!r}; pass ssep_id, pdep_id and pad_id explicitly"
         )
     ssep, pdep, pad = (specials[t] for t in FAMILY_TOKENS[family])
-    return SpanConfig(block_size=block_size, ssep_id=ssep, pdep_id=pdep, pad_id=pad)
+    return SpanConfig(block_size=block_size, ssep_id=ssep, pdep_id=pdep, pad_id=pad,
+                      sink_ids=model_sink_ids(tokenizer))
+
+
+# stands in for the user's content when the chat template is rendered to find its opening
+_CONTENT_SLOT = "\ue000minipic-content\ue000"
+
+
+def model_sink_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The model's own opening: what a prompt of this model starts with before any content.
+
+    Why this is each span's sink (docs/design.md §2): in full attention every token's attention
+    sinks into the prompt's opening; a span computed alone has none, and rule 1 hides its SSEP,
+    so without a copy of the opening its first word becomes the sink (measured in
+    ``results/layout_levers/``). With a chat template: the rendering of one user message up to
+    its content, the template's default system prompt included (SmolLM2: 24 tokens); without
+    one: the ids the tokenizer puts before text (its BOS), possibly none.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": _CONTENT_SLOT}], tokenize=False,
+            add_generation_prompt=True)
+        head = str(rendered).split(_CONTENT_SLOT)[0]
+        ids = tokenizer(head, add_special_tokens=False, split_special_tokens=False)["input_ids"]
+        return tuple(int(t) for t in ids)
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a")["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start: start + len(plain)] == plain:
+            return tuple(int(t) for t in full[:start])
+    return ()
 
 
 def default_span_config(tokenizer: Any, block_size: int = 32) -> SpanConfig:

@@ -66,26 +66,34 @@ def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int
         logical = batch.key_positions[r, :seq_len]
         q0, q1 = qsl[r], qsl[r + 1]
         q_index = torch.arange(seq_len - (q1 - q0), seq_len)  # each query's own key
+        sink = None if batch.key_sink is None else batch.key_sink[r, :seq_len]
+        isolated = None if batch.query_isolated is None else batch.query_isolated[q0:q1]
         rows.append(PreparedRow(
             queries=batch.rows[q0:q1], blocks=blocks, keys=seq_len,
             key_moves=logical.clamp(min=0) - home_pos - j % block_size,
             query_moves=batch.query_shift[q0:q1],
             mask=_mask(q_index, logical, None if batch.key_start is None
-                       else batch.key_start[q0:q1])))
+                       else batch.key_start[q0:q1], sink, isolated)))
     batch.derived[_PREPARED] = rows
     return rows
 
 
-def _mask(q_index: torch.Tensor, key_positions: torch.Tensor,
-          key_start: torch.Tensor | None) -> torch.Tensor:
+def _mask(q_index: torch.Tensor, key_positions: torch.Tensor, key_start: torch.Tensor | None,
+          sink: torch.Tensor | None = None, isolated: torch.Tensor | None = None
+          ) -> torch.Tensor:
     """``[q, n]``: causal, from ``key_start``, and rule 1 — a layout key (negative position) is
-    seen only by its own query, a layout query sees only itself."""
+    seen only by its own query, a layout query sees only itself; a sink key is seen only by
+    the queries inside a span (``isolated``: ``key_start`` keeps them inside their own)."""
     j = torch.arange(key_positions.numel())
-    real = key_positions >= 0
+    shown = key_positions >= 0  # a query whose own key is shown is no layout query
     allowed = j[None, :] <= q_index[:, None]
     if key_start is not None:
         allowed &= j[None, :] >= key_start[:, None]
-    allowed &= real[None, :] & real[q_index][:, None]
+    if sink is None or isolated is None:
+        allowed &= shown[None, :]
+    else:
+        allowed &= (shown & ~sink)[None, :] | (sink[None, :] & isolated[:, None])
+    allowed &= shown[q_index][:, None]
     allowed |= j[None, :] == q_index[:, None]
     return allowed
 

@@ -34,7 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from minipic.engine_ext.attention.span_segments import block_key_starts
+from minipic.engine_ext.attention.span_segments import (
+    block_isolated,
+    block_key_starts,
+    span_sinks,
+)
 from minipic.engine_ext.holes import worker_positions
 from minipic.span_contract.errors import EngineIntegrationError
 from minipic.span_contract.span_config import SpanConfig, spans_opted_in
@@ -103,16 +107,60 @@ class SpanView:
       position of its key ``j`` (the count of real tokens before it; -1: a layout key) and
       ``query_shift[t]`` the logical minus the physical position of query ``t`` (the model
       rotated queries at vLLM's physical positions; attention moves them by this).
+    * the sink (docs/design.md §2): the model's opening, copied after a span's SSEP, is seen
+      only by its own span. ``key_sink[r, j]`` marks such a key (its ``key_positions`` entry is
+      its virtual position, >= 0: just before the span's first real token); only the queries
+      with ``query_isolated[t]`` (rows inside an SSEP-led segment, whose ``key_start`` already
+      keeps them inside their own span) may attend to it. None: no sink key in the step.
     """
 
     key_start: torch.Tensor | None = None
     masked: torch.Tensor | None = None  # [num_reqs] bool
     key_positions: torch.Tensor | None = None  # [num_reqs, W] int64 (rows of masked requests)
     query_shift: torch.Tensor | None = None  # [num_tokens] int64
+    key_sink: torch.Tensor | None = None  # [num_reqs, W] bool
+    query_isolated: torch.Tensor | None = None  # [num_tokens] bool
 
     @property
     def any_masked(self) -> bool:
         return self.masked is not None and bool(self.masked.any())
+
+
+@dataclass
+class _RowView:
+    """One request's part of a :class:`SpanView` (its keys, and its queries in the step)."""
+
+    key_start: np.ndarray  # [q] int64
+    query_shift: np.ndarray  # [q] int64
+    key_positions: np.ndarray  # [seq_len] int64 (-1: layout)
+    sink: np.ndarray  # [seq_len] bool
+    isolated: np.ndarray  # [q] bool
+
+
+def _row_view(tokens: np.ndarray, prompt: np.ndarray, layout: np.ndarray,
+              positions: np.ndarray, config: SpanConfig, block_size: int) -> _RowView:
+    """The span rules for one request: ``tokens`` are its keys (0 .. seq_len - 1), ``prompt``
+    its whole prompt (so every chunk finds the same sinks), ``positions`` its queries'.
+
+    Positions (rule 1 and the sink): a real token sits at the number of real tokens before it,
+    plus one constant per request: the sink's length when the request holds a sink, so that a
+    span's sink, placed on the positions just before the span's first real token (where the
+    span would follow the opening), never goes below 0.
+    """
+    sink_index = span_sinks(prompt, block_size, config.ssep_id, config.sink_ids)
+    shift = len(config.sink_ids) if (sink_index >= 0).any() else 0
+    sink_index = sink_index[:tokens.shape[0]]
+    sink = sink_index >= 0
+    real = (~layout & ~sink).astype(np.int64)
+    before = np.cumsum(real) - real  # real tokens before each token
+    rope_at = np.where(sink, before + sink_index, before + shift)
+    firsts = tokens[::block_size]
+    starts = block_key_starts(firsts, config.ssep_id, config.pdep_id, block_size)
+    isolated = block_isolated(firsts, config.ssep_id, config.pdep_id)
+    blocks = positions // block_size
+    return _RowView(key_start=starts[blocks], query_shift=rope_at[positions] - positions,
+                    key_positions=np.where(layout, -1, rope_at), sink=sink,
+                    isolated=isolated[blocks])
 
 
 def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -142,7 +190,7 @@ def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     lens = seq_lens.tolist()
     layout_ids = np.array([config.ssep_id, config.pdep_id, config.pad_id])
     holed = worker_positions.positions_with_holes(runner, query_start_loc, seq_lens)
-    rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    rows: dict[int, _RowView] = {}
     for row, seq_len in enumerate(lens):
         if row >= len(req_ids) or req_ids[row] is None:
             continue
@@ -158,24 +206,28 @@ def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
             continue  # no SSEP either: no isolation, nothing to hide
         positions = (np.arange(seq_len - q_len, seq_len) if holed is None
                      else holed[qsl[row]:qsl[row + 1]].numpy())
-        starts = block_key_starts(tokens[::block_size], config.ssep_id, config.pdep_id,
-                                  block_size)
-        real = (~layout).astype(np.int64)
-        logical = np.cumsum(real) - real
-        rows[row] = (starts[positions // block_size], logical[positions] - positions,
-                     np.where(layout, -1, logical))
+        prompt = batch.token_ids_cpu[row, :max(seq_len, int(batch.num_prompt_tokens[row]))]
+        rows[row] = _row_view(tokens, prompt, layout, positions, config, block_size)
     if not rows:
         return view
     num_tokens = qsl[-1]
+    width = max(lens[r] for r in rows)
     view.key_start = torch.zeros(num_tokens, dtype=torch.int64)
     view.query_shift = torch.zeros(num_tokens, dtype=torch.int64)
     view.masked = torch.zeros(len(lens), dtype=torch.bool)
-    view.key_positions = torch.zeros(len(lens), max(lens[r] for r in rows), dtype=torch.int64)
-    for row, (starts, shift, key_positions) in rows.items():
-        view.key_start[qsl[row]:qsl[row + 1]] = torch.from_numpy(starts)
-        view.query_shift[qsl[row]:qsl[row + 1]] = torch.from_numpy(shift)
+    view.key_positions = torch.zeros(len(lens), width, dtype=torch.int64)
+    with_sinks = any(r.sink.any() for r in rows.values())
+    if with_sinks:
+        view.key_sink = torch.zeros(len(lens), width, dtype=torch.bool)
+        view.query_isolated = torch.zeros(num_tokens, dtype=torch.bool)
+    for row, r in rows.items():
+        view.key_start[qsl[row]:qsl[row + 1]] = torch.from_numpy(r.key_start)
+        view.query_shift[qsl[row]:qsl[row + 1]] = torch.from_numpy(r.query_shift)
         view.masked[row] = True
-        view.key_positions[row, :key_positions.size] = torch.from_numpy(key_positions)
+        view.key_positions[row, :r.key_positions.size] = torch.from_numpy(r.key_positions)
+        if with_sinks:
+            view.key_sink[row, :r.sink.size] = torch.from_numpy(r.sink)
+            view.query_isolated[qsl[row]:qsl[row + 1]] = torch.from_numpy(r.isolated)
     if not view.key_start.any():
         view.key_start = None
     return view

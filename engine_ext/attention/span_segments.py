@@ -15,6 +15,10 @@ keys/values depend only on the span, whichever request computes it: its own span
 in a final prompt, or a final prompt sent cold. That is what makes a span-local hash a sound
 cache key (``engine_ext/hashing/span_hashing.py``) and lets the lookup attach cached blocks after a
 miss (``engine_ext/holes/scheduler_lookup.py``).
+
+The sink (the model's opening copied after a span's SSEP, :func:`span_sinks`) lives inside its
+span's segment, so this rule also keeps every other segment from it; rule 1 hides it from the
+rows outside any span.
 """
 
 from __future__ import annotations
@@ -29,14 +33,46 @@ def block_key_starts(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int,
     ``block_first_tokens[b]`` is token ``b * block_size`` of the request. Returns int64 of the
     same length: the first key a query inside block ``b`` may attend to.
     """
+    led_by_ssep, last_marker = _segments(block_first_tokens, ssep_id, pdep_id)
+    return np.where(led_by_ssep, last_marker * block_size, 0)
+
+
+def block_isolated(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int) -> np.ndarray:
+    """Bool per block: its tokens belong to an SSEP-led segment (they attend only within it;
+    ``key_start`` alone cannot say so for a segment that starts at token 0)."""
+    return _segments(block_first_tokens, ssep_id, pdep_id)[0]
+
+
+def _segments(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """``(led_by_ssep, last_marker)`` per block: whether the segment holding it is SSEP-led,
+    and the block index of its last marker at or before it (-1: none)."""
     firsts = np.asarray(block_first_tokens)
-    n = firsts.shape[0]
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    idx = np.arange(n, dtype=np.int64)
+    idx = np.arange(firsts.shape[0], dtype=np.int64)
     is_ssep = firsts == ssep_id
     is_marker = is_ssep | (firsts == pdep_id)
-    last_marker = np.maximum.accumulate(np.where(is_marker, idx, -1))
+    last_marker = np.maximum.accumulate(np.where(is_marker, idx, -1)) if idx.size else idx
     led_by_ssep = (last_marker >= 0) & is_ssep[np.maximum(last_marker, 0)]
-    return np.where(led_by_ssep, last_marker * block_size, 0)
+    return led_by_ssep, last_marker
+
+
+def span_sinks(tokens: np.ndarray, block_size: int, ssep_id: int,
+               sink_ids: tuple[int, ...]) -> np.ndarray:
+    """Per token: its index within a span's sink, or -1.
+
+    A span's sink (docs/design.md §2) is the model's opening right after an SSEP at a block
+    start: the ``len(sink_ids)`` tokens there, when they are exactly ``sink_ids``. A span without
+    them simply has no sink. ``tokens`` must reach past the last sink that a step may read (the
+    whole prompt), so that every chunk of a request sees the same sinks.
+    """
+    out = np.full(tokens.shape[0], -1, dtype=np.int64)
+    size = len(sink_ids)
+    if size == 0:
+        return out
+    sink = np.asarray(sink_ids)
+    for start in np.flatnonzero(tokens[::block_size] == ssep_id) * block_size:
+        run = tokens[start + 1: start + 1 + size]
+        if run.shape[0] == size and np.array_equal(run, sink):
+            out[start + 1: start + 1 + size] = np.arange(size)
+    return out
 

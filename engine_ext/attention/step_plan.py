@@ -75,7 +75,8 @@ class MaskedBatch:
     One row per run of a request's consecutive positions (a hole; usually the whole step of the
     request), in token order. Keys are read from the cache at their home slots; the row's
     ``key_positions`` say where RoPE puts each key (-1: a layout key, seen by no other query)
-    and ``query_shift`` where each query moves (logical minus physical position).
+    and ``query_shift`` where each query moves (logical minus physical position); ``key_sink``
+    marks the keys of span sinks, seen only by the ``query_isolated`` rows (None: no sink).
     """
 
     rows: torch.Tensor  # [T] int64: query rows of these requests in the step's batch
@@ -85,6 +86,8 @@ class MaskedBatch:
     key_positions: torch.Tensor  # [R, W] int64
     query_shift: torch.Tensor  # [T] int64
     key_start: torch.Tensor | None  # [T] int64 (None: 0)
+    key_sink: torch.Tensor | None = None  # [R, W] bool
+    query_isolated: torch.Tensor | None = None  # [T] bool
     # what every layer of the step shares, built by the first (``attention/masked_rows.py``)
     derived: dict = dataclasses.field(default_factory=dict)
 
@@ -413,7 +416,9 @@ def _masked_batch(view: SpanView, qsl: torch.Tensor, lens: torch.Tensor,
         rows=rows, query_start_loc=row_qsl.to(torch.int32), seq_lens=row_lens,
         block_table=block_table[req], key_positions=view.key_positions[req],
         query_shift=view.query_shift[rows],
-        key_start=None if view.key_start is None else view.key_start[rows])
+        key_start=None if view.key_start is None else view.key_start[rows],
+        key_sink=None if view.key_sink is None else view.key_sink[req],
+        query_isolated=None if view.query_isolated is None else view.query_isolated[rows])
 
 def _sub_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, scheduler_metadata: ScheduleFn | None) -> SubBatch:

@@ -7,7 +7,13 @@ docs/design.md §2 defines what a span layout means, and this module is its exec
 * **rule 1, the layout is invisible**: the layout tokens (SSEP, PDEP, PAD) steer block hashing
   and segments, never attention. No query attends them but their own (a layout token sees only
   itself), and they take no RoPE position: a real token sits at the number of real tokens before
-  it, the position it has in the plain prompt (up to one constant shift per request).
+  it, the position it has in the plain prompt (up to one constant shift per request);
+* **the sink**: a span that starts with the model's opening right after its SSEP (the SDK
+  copies it there, ``SpanConfig.sink_ids``) sinks into that copy, as the plain prompt's tokens
+  sink into its opening. Only the span's own tokens see it, at the positions just before the
+  span's first real token (where the span would follow the opening); it is no token of the
+  plain prompt, so the positions of real tokens do not count it. The constant shift is the
+  sink's length in a prompt that holds one (so no sink position is negative), else 0.
 
 That is what the engine computes for a warm final prompt, so it is what the student is trained
 under and what the tests check the engine against (``tests/support/pic_reference.py`` imports
@@ -62,20 +68,44 @@ def logical_positions(layout: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(real, 0) - real
 
 
+def sink_index(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
+               sink_ids: Sequence[int]) -> torch.Tensor:
+    """int64 ``[len]``: each token's index within its span's sink, -1 outside any sink. A
+    span's sink is ``sink_ids`` right after its first token (its SSEP), when there."""
+    out = torch.full((len(token_ids),), -1, dtype=torch.long)
+    size = len(sink_ids)
+    if size:
+        for start, end, *_ in spans:
+            if end - start > size and list(token_ids[start + 1: start + 1 + size]) == list(
+                    sink_ids):
+                out[start + 1: start + 1 + size] = torch.arange(size)
+    return out
+
+
 def layout_view(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
-                layout_ids: Collection[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(allowed [len, len], positions [len])`` of a span-opted-in prompt under block attention
-    and rule 1. ``layout_ids=()`` gives block attention at physical positions (the layout as
-    the model saw it before rule 1)."""
+                layout_ids: Collection[int], sink_ids: Sequence[int] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(allowed [len, len], positions [len])`` of a span-opted-in prompt under block
+    attention, rule 1 and each span's sink (``sink_ids``, ``()``: none). ``layout_ids=()``
+    gives block attention at physical positions (the layout as the model saw it before rule
+    1; a sink is then ordinary span content)."""
     length = len(token_ids)
     allowed = block_attention_allowed(length, spans)
     if not layout_ids:
         return allowed, torch.arange(length)
     layout = layout_flags(token_ids, layout_ids)
+    in_sink = sink_index(token_ids, spans, sink_ids)
+    sink = in_sink >= 0
+    in_span = torch.zeros(length, dtype=torch.bool)
+    for start, end, *_ in spans:
+        in_span[start:end] = True
     allowed &= ~layout.unsqueeze(0)
+    allowed &= ~(sink.unsqueeze(0) & ~in_span.unsqueeze(1))  # a sink: its span's rows only
     allowed[layout] = False
     allowed |= torch.eye(length, dtype=torch.bool)
-    return allowed, logical_positions(layout)
+    before = logical_positions(layout | sink)
+    shift = len(sink_ids) if bool(sink.any()) else 0
+    return allowed, torch.where(sink, before + in_sink, before + shift)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -42,6 +42,7 @@ class Example:
     answer: list[int]
     answer_start_teacher: int  # index of A's first token in teacher_ids
     layout_ids: tuple[int, ...] = ()  # the student's SSEP / PDEP / PAD (rule 1 hides them)
+    sink_ids: tuple[int, ...] = ()  # the opening each of its spans carries (its sink)
 
 
 def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -81,7 +82,8 @@ def make_example(teacher: Any, builder: Any, item: Any, max_tokens: int) -> Exam
     return Example(teacher_ids=teacher_ids, student_ids=student_ids, runs=isolated_runs(block),
                    shared=common_suffix(teacher_ids, student_ids), answer=answer,
                    answer_start_teacher=len(plain.prompt_token_ids),
-                   layout_ids=layout_ids_of(builder))
+                   layout_ids=layout_ids_of(builder),
+                   sink_ids=tuple(builder.span_config.sink_ids))
 
 
 def layout_ids_of(builder: Any) -> tuple[int, int, int]:
@@ -92,12 +94,12 @@ def layout_ids_of(builder: Any) -> tuple[int, int, int]:
 
 def log_probs(model: Any, ids: Sequence[int], keep: int,
               runs: Sequence[tuple[int, ...]] = (),
-              layout_ids: Sequence[int] = ()) -> torch.Tensor:
+              layout_ids: Sequence[int] = (), sink_ids: Sequence[int] = ()) -> torch.Tensor:
     """``[keep, vocab]`` next-token log-probs at the last ``keep`` positions of ``ids``, under
-    the block mask of ``runs`` with ``layout_ids`` hidden (``()``, ``()``: plain causal
-    attention)."""
+    the block mask of ``runs`` with ``layout_ids`` hidden and each span's ``sink_ids`` seen by
+    that span only (``()``, ``()``: plain causal attention)."""
     device = model.device
-    allowed, positions = layout_view(ids, runs, layout_ids)
+    allowed, positions = layout_view(ids, runs, layout_ids, sink_ids)
     mask = additive_mask(allowed, model.dtype)
     out = model(input_ids=torch.tensor([list(ids)], device=device),
                 attention_mask=mask.to(device),
@@ -125,7 +127,7 @@ def distillation_loss(model: Any, ex: Example, target: torch.Tensor,
     why: tuning for the block mask moves the model's full-attention answers too, and a user
     serves both kinds of request from one model; this term holds the plain ones in place at
     the cost of a second forward pass."""
-    student = log_probs(model, ex.student_ids, ex.shared, ex.runs, ex.layout_ids)
+    student = log_probs(model, ex.student_ids, ex.shared, ex.runs, ex.layout_ids, ex.sink_ids)
     loss = kl_rows(target, student).mean()
     if keep_full:
         plain = log_probs(model, ex.teacher_ids, ex.shared)

@@ -32,6 +32,7 @@ from minipic.prompt_builder import (
     Span,
     SpanTokenError,
 )
+from minipic.prompt_builder.modes import make_layout
 from minipic.span_contract.env import ENABLE_ENV, SPAN_CONFIG_ENV
 from minipic.span_contract.span_config import SpanConfig
 from minipic.span_contract.special_tokens import FAMILY_TOKENS, detect_family
@@ -463,8 +464,10 @@ def test_pretokenised_span_matches_text_span(builders):
 
 
 def strip_layout(built) -> list[int]:
-    cfg = built.span_config
-    return [t for t in built.prompt_token_ids if t not in (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)]
+    """The prompt without markers, pads and span sinks (each segment's content)."""
+    ids = built.prompt_token_ids
+    return [t for seg in built.segments if seg.kind != "pad"
+            for t in ids[seg.content_start:seg.end]]
 
 
 @SETTINGS
@@ -512,10 +515,16 @@ def test_llama3_style_template(llama3_tokenizer):
         )
         assert builder.decode(strip_layout(built)) == rendered
         ids = built.prompt_token_ids
+        plain = strip_layout(built)  # each span's sink (a copy of the opening) left out
         bos = llama3_tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
         eot = llama3_tokenizer.convert_tokens_to_ids("<|eot_id|>")
-        assert ids[0] == bos and ids.count(bos) == 1
-        assert ids.count(eot) == 2  # end of system turn, end of user turn: none from the doc
+        assert plain[0] == bos and plain.count(bos) == 1
+        assert plain.count(eot) == 2  # end of system turn, end of user turn: none from the doc
+        sink = list(builder.span_config.sink_ids)
+        assert sink[0] == bos  # the opening without the system turn this prompt has
+        for seg in built.segments:
+            if seg.marker == "ssep":
+                assert ids[seg.start + 1:seg.content_start] == sink
         system_text = builder.decode(ids[: built.spans[0].end]).replace(
             "<|reserved_special_token_12|>", "")
         assert system_text.endswith("<|start_header_id|>user<|end_header_id|>\n\n")
@@ -577,9 +586,11 @@ def test_special_token_strings_in_user_text_stay_text(
     # reserved ids in the prompt: the template's, the BOS, and the layout's markers — no more
     expected = [t for t in frame.system + frame.before_question + frame.after_question
                 if t in reserved]
-    layout_ids = builder.encoder.markers
-    found = [t for t in built.prompt_token_ids if t in reserved and t not in layout_ids]
+    found = [t for t in strip_layout(built) if t in reserved]
     assert sorted(found) == sorted(expected)
+    sinks = [built.prompt_token_ids[s.start + 1:s.content_start] for s in built.segments
+             if s.marker == "ssep"]
+    assert all(sink == list(builder.span_config.sink_ids) for sink in sinks)
     assert builder.decode(strip_layout(built)).count("<file_sep>") == (
         (system or "").count("<file_sep>") + "".join(spans).count("<file_sep>")
         + question.count("<file_sep>"))
@@ -734,7 +745,7 @@ def test_smollm2_defaults(model_dir, tokenizer):
     [
         ({"ssep_id": 1000}, "ordinary vocabulary token"),
         ({"pad_id": 10**6}, "outside the tokenizer's vocabulary"),
-        ({"pdep_id": 2}, "eos token"),
+        ({"pdep_id": 2}, "the model's opening"),  # <|im_end|>: eos, and in the sink
         ({"ssep_id": 5, "pdep_id": 5}, "three different tokens"),
     ],
 )
@@ -790,3 +801,19 @@ def test_qwen_names_exist_in_qwen_special_block():
     # the block Qwen2.x shares ends at <|file_sep|>; our three are inside it
     qwen2_block = names[: names.index("<|file_sep|>") + 1]
     assert set(FAMILY_TOKENS["qwen2"]) <= set(qwen2_block)
+
+
+def test_span_cost_counts_the_sink(builders):
+    """Each SSEP-led span carries the model's opening as its sink: the budget and the layout
+    count it (SmolLM2's opening: 24 tokens)."""
+    builder = pick_builder(builders, 16, True)
+    sink = builder.span_config.sink_ids
+    assert len(sink) == 24
+    for n in (1, 7, 40):
+        text = " ".join(["word"] * n)
+        built = builder.build(spans=[text], question="q", mode="block_attention")
+        span = next(s for s in built.segments if s.marker == "ssep")
+        pads = sum(s.length for s in built.segments if s.kind == "pad" and s.start == span.end)
+        assert span.length + pads == make_layout(Mode.BLOCK_ATTENTION, builder.span_config
+                                                 ).span_cost(span.end - span.content_start)
+        assert (span.length + pads) % 16 == 0 and span.content_start - span.start == 1 + 24

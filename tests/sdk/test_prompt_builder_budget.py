@@ -49,7 +49,11 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def builder(tokenizer):
-    return PromptBuilder(tokenizer, default_span_config(tokenizer, 8), chat_template=False)
+    # the budget's arithmetic on blocks of 8: spans without a sink (SSEP + text + PAD), whose
+    # 24 tokens would leave these small limits no room (the sink's cost:
+    # test_prompt_builder.py::test_span_cost_counts_the_sink)
+    config = default_span_config(tokenizer, 8).model_copy(update={"sink_ids": ()})
+    return PromptBuilder(tokenizer, config, chat_template=False)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +163,8 @@ def test_drop_truncate_skip_on_a_known_case(builder):
 
 
 def test_builder_default_max_model_len(tokenizer):
-    small = PromptBuilder(tokenizer, default_span_config(tokenizer, 8), max_model_len=64)
+    config = default_span_config(tokenizer, 8).model_copy(update={"sink_ids": ()})
+    small = PromptBuilder(tokenizer, config, max_model_len=64)
     with pytest.raises(SpanTooLongError):
         small.build(spans=[doc(100, 0)], question="q")
     built = small.build(spans=[doc(100, 0)], question="q", budget="truncate", max_tokens=8)

@@ -81,19 +81,24 @@ class PicReference:
     """fp32 transformers model from the engine's own model folder.
 
     ``layout_ids``: the tokens rule 1 hides (default: the model's own SSEP / PDEP / PAD, as the
-    engine derives them)."""
+    engine derives them); ``sink_ids``: the opening a span may carry after its SSEP, seen only
+    by that span (default: the model's own, as the engine derives it)."""
 
-    def __init__(self, model_dir: str, layout_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, model_dir: str, layout_ids: Sequence[int] | None = None,
+                 sink_ids: Sequence[int] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="eager"
         ).eval()
         self.vocab_size = self.model.config.vocab_size
-        if layout_ids is None:
+        if layout_ids is None or sink_ids is None:
             cfg = span_config_for_model(model_dir)
-            layout_ids = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
+            if layout_ids is None:
+                layout_ids = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
+            sink_ids = cfg.sink_ids if sink_ids is None else sink_ids
         self.layout_ids = tuple(layout_ids)
+        self.sink_ids = tuple(sink_ids)
 
     @torch.inference_mode()
     def logprobs(self, token_ids: Sequence[int], spans: Sequence[tuple[int, int]] = (),
@@ -104,7 +109,8 @@ class PicReference:
         computes). ``opted_in=False``: a request that never opted in to span semantics, whose
         layout tokens (if any) are ordinary tokens to the engine.
         """
-        allowed, positions = layout_view(token_ids, spans, self.layout_ids if opted_in else ())
+        allowed, positions = layout_view(token_ids, spans, self.layout_ids if opted_in else (),
+                                         self.sink_ids)
         out = self.model(
             input_ids=torch.tensor([list(token_ids)]),
             attention_mask=additive_mask(allowed),
