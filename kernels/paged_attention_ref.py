@@ -32,6 +32,20 @@ the positions they would have had: attention equals attention over the compacted
 *index* space (the key's index ``j`` in the request, not its logical position). Without
 ``key_positions`` key ``j`` is rotated at ``j`` and every key is visible (stock behaviour).
 
+**Sink keys (docs/design.md §2).** Each span carries, right after its SSEP, a private copy of the
+model's opening (the "sink", e.g. the chat template head): a span computed alone then sees the
+opening the model always had, without the other spans or the prompt reading it. ``key_sink``
+(``[num_reqs, W]`` bool, like ``key_positions``) marks those keys and ``query_isolated``
+(``[num_tokens]`` bool, per query row) the queries allowed to read them (rows inside their own
+span, which ``key_start`` keeps there):
+
+* a sink key is rotated at its ``key_positions`` entry (``>= 0``, like a real key);
+* it is visible to query ``t`` (within the causal range and ``key_start`` as usual) only when
+  ``query_isolated[t]``, and always to the query at its own index, which is an ordinary query.
+
+A non-isolated query therefore attends exactly as if the sink keys were not there. A
+``key_sink`` entry on a layout key (negative position) changes nothing: it stays a layout key.
+
 Two formulations live here on purpose:
 
 * :func:`paged_attention_rope_ref` reads the paged layout the engine uses. It is the CPU
@@ -91,6 +105,8 @@ def paged_attention_rope_ref(
     out: torch.Tensor | None = None,
     key_start: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
+    key_sink: torch.Tensor | None = None,
+    query_isolated: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a ragged batch whose (unrotated) keys live in a paged cache.
 
@@ -118,6 +134,11 @@ def paged_attention_rope_ref(
             offset ``j % block_size``); a negative entry marks a layout key, visible only to the
             query at its own index, which in turn sees only itself (module docstring). None:
             key ``j`` is rotated at ``j`` and every key is visible.
+        key_sink: optional ``[num_reqs, W]`` bool, the shape of ``key_positions`` (required
+            with it, as is ``query_isolated``): marks sink keys, the span's private copy of the
+            model's opening, seen only by isolated queries and their own (module docstring).
+        query_isolated: optional ``[num_tokens]`` bool, indexed like the query rows: the
+            queries that may attend to sink keys.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (zeros in rows that belong
@@ -137,6 +158,7 @@ def paged_attention_rope_ref(
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     _check_key_positions(key_positions, num_reqs, max(lens, default=0))
+    _check_sink(key_sink, query_isolated, key_positions, query.shape[0])
     for i in range(num_reqs):
         q_begin, q_end, seq_len = qsl[i], qsl[i + 1], lens[i]
         q_len = q_end - q_begin
@@ -153,11 +175,14 @@ def paged_attention_rope_ref(
         # Index space (causal mask, key_start) and RoPE positions are the same unless the
         # caller gives logical positions.
         key_idx = torch.arange(seq_len, device=key_cache.device)
+        is_sink = None
         if key_positions is None:
             rope_pos, is_layout = key_idx, None
         else:
             logical = key_positions[i, :seq_len].to(device=key_cache.device, dtype=torch.long)
             rope_pos, is_layout = logical.clamp(min=0), logical < 0
+            if key_sink is not None:
+                is_sink = key_sink[i, :seq_len].to(key_cache.device) & ~is_layout
         # Rotate in fp32, round once to the cache dtype: the key a stock engine would have
         # cached (rotated by the model, then stored in that dtype), then do the math in fp32.
         keys = rotate(keys, rope_pos, cos_sin_cache, rotary_dim, is_neox).float()
@@ -171,7 +196,7 @@ def paged_attention_rope_ref(
             # scores[h, g, t, j] for query head h*group+g, query t, key j.
             scores = torch.einsum("thgd,jhd->hgtj", q[c0:c1], keys) * scale
             allowed = _visible(key_idx, q_pos[c0:c1], causal, key_start,
-                               q_begin + c0, q_begin + c1, is_layout)
+                               q_begin + c0, q_begin + c1, is_layout, is_sink, query_isolated)
             if allowed is not None:
                 scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
@@ -182,10 +207,13 @@ def paged_attention_rope_ref(
 
 def _visible(key_pos: torch.Tensor, q_pos: torch.Tensor, causal: bool,
              key_start: torch.Tensor | None, row_begin: int, row_end: int,
-             is_layout: torch.Tensor | None = None) -> torch.Tensor | None:
+             is_layout: torch.Tensor | None = None, is_sink: torch.Tensor | None = None,
+             query_isolated: torch.Tensor | None = None) -> torch.Tensor | None:
     """``[t, j]`` mask of keys each query sees (None: all): causal and/or from ``key_start``,
     and, given ``is_layout`` (``[seq_len]`` bool, per key index), layout keys hidden from every
-    query but their own, layout queries seeing only themselves. Positions are indices."""
+    query but their own, layout queries seeing only themselves; given ``is_sink`` (per key
+    index, never a layout key) and ``query_isolated`` (per query row), sink keys hidden from
+    the queries that are not isolated, but for their own. Positions are indices."""
     allowed = key_pos[None, :] <= q_pos[:, None] if causal else None
     if key_start is not None:
         lower = key_start[row_begin:row_end].to(key_pos.device)
@@ -194,7 +222,11 @@ def _visible(key_pos: torch.Tensor, q_pos: torch.Tensor, causal: bool,
     if is_layout is not None:
         real = ~is_layout
         own = key_pos[None, :] == q_pos[:, None]
-        layout_ok = own | (real[None, :] & real[q_pos][:, None])
+        seen = real[None, :] & real[q_pos][:, None]
+        if is_sink is not None:
+            iso = query_isolated[row_begin:row_end].to(key_pos.device)
+            seen = seen & (~is_sink[None, :] | iso[:, None])
+        layout_ok = own | seen
         allowed = layout_ok if allowed is None else allowed & layout_ok
     return allowed
 
@@ -215,6 +247,27 @@ def _check_key_positions(key_positions: torch.Tensor | None, num_reqs: int, widt
         )
 
 
+def _check_sink(key_sink: torch.Tensor | None, query_isolated: torch.Tensor | None,
+                key_positions: torch.Tensor | None, num_tokens: int) -> None:
+    """``key_sink`` (bool, ``key_positions``' shape) and ``query_isolated`` (bool,
+    ``[>= num_tokens]``) come together, and only with ``key_positions`` (or not at all)."""
+    if key_sink is None and query_isolated is None:
+        return
+    if key_sink is None or query_isolated is None:
+        raise ValueError("key_sink and query_isolated must be given together")
+    if key_positions is None:
+        raise ValueError("key_sink / query_isolated need key_positions (a sink key is rotated "
+                         "at its key_positions entry)")
+    if key_sink.dtype != torch.bool or key_sink.shape != key_positions.shape:
+        raise ValueError(f"key_sink must be bool of key_positions' shape "
+                         f"{tuple(key_positions.shape)}, got {key_sink.dtype} "
+                         f"{tuple(key_sink.shape)}")
+    if (query_isolated.dtype != torch.bool or query_isolated.dim() != 1
+            or query_isolated.shape[0] < num_tokens):
+        raise ValueError(f"query_isolated must be bool [num_tokens={num_tokens}], got "
+                         f"{query_isolated.dtype} {tuple(query_isolated.shape)}")
+
+
 def dense_attention_ref(
     query: torch.Tensor,
     keys: Sequence[torch.Tensor],
@@ -228,6 +281,8 @@ def dense_attention_ref(
     key_start: torch.Tensor | None = None,
     *,
     key_positions: torch.Tensor | None = None,
+    key_sink: torch.Tensor | None = None,
+    query_isolated: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Independent formulation on contiguous tensors, for validating the paged path.
 
@@ -237,8 +292,8 @@ def dense_attention_ref(
             order (row j is the key at position j).
         values: per request, same shapes as ``keys``.
         query_start_loc, cos_sin_cache, rotary_dim, is_neox, scale, causal, key_start,
-            key_positions: as in :func:`paged_attention_rope_ref`; ``seq_len_i`` is
-            ``len(keys[i])``.
+            key_positions, key_sink, query_isolated: as in :func:`paged_attention_rope_ref`;
+            ``seq_len_i`` is ``len(keys[i])``.
 
     Returns ``[num_tokens, num_heads, head_size]`` in ``query.dtype``; rows belonging to no
     request are zero.
@@ -249,6 +304,7 @@ def dense_attention_ref(
     out = torch.zeros_like(query)
     qsl = query_start_loc.tolist()
     _check_key_positions(key_positions, num_reqs, max((len(k) for k in keys), default=0))
+    _check_sink(key_sink, query_isolated, key_positions, query.shape[0])
     for i in range(num_reqs):
         q_begin, q_end = qsl[i], qsl[i + 1]
         q_len, seq_len = q_end - q_begin, keys[i].shape[0]
@@ -279,6 +335,12 @@ def dense_attention_ref(
             cls = torch.where(logical >= 0, torch.full_like(k_pos, -1), k_pos)
             same = cls[None, :] == cls[q_abs[:, 0]][:, None]
             mask = same if mask is None else mask & same
+        if key_sink is not None:
+            # The sink: an extra mask on top, sink keys kept for isolated queries and their own.
+            sink = key_sink[i, :seq_len].to(dev) & (logical >= 0)
+            iso = query_isolated[q_begin:q_end].to(dev)
+            keep = ~sink[None, :] | iso[:, None] | (k_pos[None, :] == q_abs)
+            mask = mask & keep
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[q_begin:q_end] = o.transpose(0, 1).to(out.dtype)
     return out

@@ -15,6 +15,12 @@ sees only itself. Real queries then attend exactly as over the compacted sequenc
 tokens. The causal mask and ``key_start`` stay in index space. The flag ``HAS_KEY_POSITIONS`` is
 a constexpr, so launches without ``key_positions`` compile to the same code as before.
 
+Sink keys (docs/design.md §2): each span carries a private copy of the model's opening after its
+SSEP, which only that span may read. Given ``key_sink`` (``[num_reqs, W]`` bool) and
+``query_isolated`` (``[num_tokens]`` bool), a sink key is rotated at its (non-negative) position
+like a real key but masked for every query that is not isolated, except the one at its own
+index. Same constexpr scheme (``HAS_SINK``): launches without sinks keep their code.
+
 Kernel layout (one program per (query tile, KV head)):
 
 * Ragged batch, prefill and decode mixed: the grid's first axis enumerates query tiles of all
@@ -53,6 +59,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .paged_attention_ref import _check_sink
+
 __all__ = ["paged_attention_rope_triton"]
 
 _LOG2E = math.log2(math.e)
@@ -70,6 +78,8 @@ def _paged_attention_rope_kernel(
     query_start_loc_ptr,
     key_start_ptr,
     key_positions_ptr,
+    key_sink_ptr,
+    query_isolated_ptr,
     num_reqs,
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
@@ -88,6 +98,7 @@ def _paged_attention_rope_kernel(
     stride_vd,
     stride_bt,
     stride_kpr,
+    stride_ksr,
     stride_csp,
     stride_csd,
     HEAD_SIZE: tl.constexpr,
@@ -104,6 +115,7 @@ def _paged_attention_rope_kernel(
     CAUSAL: tl.constexpr,
     HAS_KEY_START: tl.constexpr,
     HAS_KEY_POSITIONS: tl.constexpr,
+    HAS_SINK: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """One (query tile, KV head) of the ragged batch; see the module docstring for the plan."""
@@ -192,6 +204,10 @@ def _paged_attention_rope_kernel(
         # Layout keys (rule 1): a query at a layout index sees only its own key.
         kp_row = key_positions_ptr + req.to(tl.int64) * stride_kpr
         q_is_layout = tl.load(kp_row + q_pos, mask=row_ok, other=0).to(tl.int32) < 0
+        if HAS_SINK:
+            # Sink keys: seen by isolated queries (and their own query) only.
+            ks_row = key_sink_ptr + req.to(tl.int64) * stride_ksr
+            q_isolated = tl.load(query_isolated_ptr + q_tok, mask=row_ok, other=0) != 0
 
     for tile in range(first_tile, num_tiles):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # key indices in the request
@@ -243,7 +259,11 @@ def _paged_attention_rope_kernel(
             ok = ok & (offs_n[None, :] >= q_key_start[:, None])
         if HAS_KEY_POSITIONS:
             own = offs_n[None, :] == q_pos[:, None]
-            ok = ok & (own | ((k_pos >= 0)[None, :] & ~q_is_layout[:, None]))
+            seen = (k_pos >= 0)[None, :] & ~q_is_layout[:, None]
+            if HAS_SINK:
+                k_sink = tl.load(ks_row + offs_n, mask=key_ok, other=0) != 0
+                seen = seen & (~k_sink[None, :] | q_isolated[:, None])
+            ok = ok & (own | seen)
         s = tl.where(ok, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -318,6 +338,8 @@ def paged_attention_rope_triton(
     block_n: int | None = None,
     key_start: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
+    key_sink: torch.Tensor | None = None,
+    query_isolated: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`minipic.kernels.paged_attention_ref.paged_attention_rope_ref`.
 
@@ -340,6 +362,10 @@ def paged_attention_rope_triton(
             position of key ``j`` of request ``i``; negative marks a layout key, seen only by
             the query at its own index, which sees only itself (docs/design.md rule 1; see
             the reference). None: key ``j`` at position ``j``, every key visible.
+        key_sink, query_isolated: ``[num_reqs, W]`` bool (``key_positions``' shape) and
+            ``[num_tokens]`` bool, together and only with ``key_positions``: sink keys (a span's
+            private copy of the model's opening) are seen only by isolated queries and by the
+            query at their own index (see the reference). None: no sink key.
 
     Preconditions not checked here because checking needs a device-to-host sync:
     ``cos_sin_cache`` covers every position ``< max(seq_lens)`` (every entry of
@@ -371,6 +397,12 @@ def paged_attention_rope_triton(
             raise ValueError(f"key_positions must be int32 or int64, got {key_positions.dtype}")
         if key_positions.stride(1) != 1:
             key_positions = key_positions.contiguous()
+    _check_sink(key_sink, query_isolated, key_positions, num_tokens)
+    if key_sink is not None and query_isolated is not None:
+        # Read as bytes (a bool tensor's storage, 0 / 1), keys and rows at unit stride.
+        key_sink = (key_sink if key_sink.stride(1) == 1 else key_sink.contiguous()).view(
+            torch.uint8)
+        query_isolated = query_isolated.contiguous().view(torch.uint8)
     if out is None:
         out = torch.empty_like(query)
     if num_reqs == 0 or num_tokens == 0:
@@ -398,6 +430,8 @@ def paged_attention_rope_triton(
         query_start_loc,
         key_start if key_start is not None else seq_lens,
         key_positions if key_positions is not None else seq_lens,
+        key_sink if key_sink is not None else seq_lens,
+        query_isolated if query_isolated is not None else seq_lens,
         num_reqs,
         scale * _LOG2E,
         *query.stride(),
@@ -406,6 +440,7 @@ def paged_attention_rope_triton(
         *value_cache.stride(),
         block_table.stride(0),
         key_positions.stride(0) if key_positions is not None else 0,
+        key_sink.stride(0) if key_sink is not None else 0,
         *cos_sin_cache.stride(),
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
@@ -421,6 +456,7 @@ def paged_attention_rope_triton(
         CAUSAL=causal,
         HAS_KEY_START=key_start is not None,
         HAS_KEY_POSITIONS=key_positions is not None,
+        HAS_SINK=key_sink is not None,
         DOT_FP32=query.dtype == torch.float32 or (interpreted and query.dtype == torch.bfloat16),
         num_warps=num_warps,
     )

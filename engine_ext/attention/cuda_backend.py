@@ -24,7 +24,9 @@ step's span view (one host computation per step): each query token's first visib
 (``key_start``; the kernel masks keys before it) and, for requests that hold layout tokens, each
 key's logical position (the kernel rotates keys there and hides layout keys from every other
 query) and each query's shift from the physical position the model rotated it at (applied here
-before the kernel). A request whose step computes several holes
+before the kernel). When spans carry their sink (a private copy of the model's opening), the
+view also marks the sink keys and the queries that may read them (those inside a span); the
+kernel hides the sink from every other query. A request whose step computes several holes
 (``engine_ext/holes/worker_positions.py``) becomes one kernel row per hole (:func:`hole_rows`),
 each ending at its hole's last token.
 
@@ -99,6 +101,8 @@ class MinipicCudaMetadata:
     key_positions: torch.Tensor | None = None  # [rows, W] rule 1 (None: no layout token)
     masked_rows: torch.Tensor | None = None  # [T] query rows of requests with layout tokens
     query_shift: torch.Tensor | None = None  # [T] logical - physical position of those rows
+    key_sink: torch.Tensor | None = None  # [rows, W] sink keys (None: no sink in the step)
+    query_isolated: torch.Tensor | None = None  # [num_tokens] queries that may read a sink
 
 
 class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
@@ -125,7 +129,7 @@ class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
         seq_lens = cm.seq_lens[: cm.num_reqs]
         block_table = cm.block_table_tensor[: cm.num_reqs]
         max_query_len = cm.max_query_len
-        key_positions = masked_rows = query_shift = None
+        key_positions = masked_rows = query_shift = key_sink = query_isolated = None
         if view.any_masked:
             assert view.masked is not None and view.key_positions is not None
             assert view.query_shift is not None
@@ -133,6 +137,11 @@ class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
             key_positions = torch.arange(width).repeat(cm.num_reqs, 1)
             key_positions[view.masked, : view.key_positions.shape[1]] = (
                 view.key_positions[view.masked])
+            if view.key_sink is not None:  # a plain request's row holds no sink
+                assert view.query_isolated is not None
+                key_sink = torch.zeros(cm.num_reqs, width, dtype=torch.bool)
+                key_sink[view.masked, : view.key_sink.shape[1]] = view.key_sink[view.masked]
+                query_isolated = view.query_isolated.to(self.device)
             masked_rows = (view.query_shift != 0).nonzero().flatten()
             query_shift = view.query_shift[masked_rows].to(self.device)
             masked_rows = masked_rows.to(self.device)
@@ -142,6 +151,8 @@ class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
                 qsl_cpu, positions, block_table, query_start_loc.dtype, seq_lens.dtype)
             if key_positions is not None:
                 key_positions = key_positions[rows_of]
+            if key_sink is not None:  # query_isolated, per query row, needs no reindexing
+                key_sink = key_sink[rows_of]
         return MinipicCudaMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=max_query_len,
@@ -151,6 +162,8 @@ class MinipicCudaMetadataBuilder(AttentionMetadataBuilder[MinipicCudaMetadata]):
             key_positions=None if key_positions is None else key_positions.to(self.device),
             masked_rows=masked_rows,
             query_shift=query_shift,
+            key_sink=None if key_sink is None else key_sink.to(self.device),
+            query_isolated=query_isolated,
             block_table=block_table,
             slot_mapping=cm.slot_mapping,
             causal=cm.causal,
@@ -255,5 +268,6 @@ class MinipicCudaAttentionImpl(AttentionImpl[MinipicCudaMetadata]):
             rope.rotary_dim, rope.is_neox_style, self.scale, attn_metadata.causal,
             out=output[:n], max_query_len=attn_metadata.max_query_len,
             key_start=attn_metadata.key_start, key_positions=attn_metadata.key_positions,
+            key_sink=attn_metadata.key_sink, query_isolated=attn_metadata.query_isolated,
         )
         return output

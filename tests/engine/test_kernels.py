@@ -605,7 +605,8 @@ for cfg in json.loads(sys.argv[1]):
         IS_NEOX=cfg["neox"], QPK=cfg["qpk"], BLOCK_M=cfg["bm"], BLOCK_Q=cfg["bm"] // cfg["qpk"],
         BLOCK_N=cfg["bn"], BLOCK_SIZE=16, CAUSAL=cfg["causal"], DOT_FP32=cfg["dtype"] == "fp32",
         HAS_KEY_START=cfg.get("key_start", False),
-        HAS_KEY_POSITIONS=bool(cfg.get("key_positions")), num_reqs=1,
+        HAS_KEY_POSITIONS=bool(cfg.get("key_positions")), HAS_SINK=cfg.get("sink", False),
+        num_reqs=1,
         stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1, stride_csd=1,
     )
     int_ptrs = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
@@ -617,6 +618,8 @@ for cfg in json.loads(sys.argv[1]):
             sig[name] = "*i64"
         elif name == "key_positions_ptr":
             sig[name] = "*" + (cfg.get("key_positions") or "i32")
+        elif name in ("key_sink_ptr", "query_isolated_ptr"):
+            sig[name] = "*u8"  # bool tensors, read as bytes
         elif name.endswith("_ptr"):
             sig[name] = "*i32" if name in int_ptrs else "*" + cfg["dtype"]
         else:
@@ -656,6 +659,8 @@ def test_triton_kernel_compiles_for_sm90() -> None:
              key_start=True, key_positions="i32"),
         dict(dtype="fp32", head=64, rot=64, neox=True, qpk=2, bm=64, bn=32, causal=False,
              key_positions="i64"),
+        dict(dtype="bf16", head=128, rot=128, neox=True, qpk=4, bm=64, bn=32, causal=True,
+             key_start=True, key_positions="i64", sink=True),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -958,6 +963,263 @@ def test_layout_query_output_is_its_own_value(causal: bool, seed: int) -> None:
         want = b.values[i][p].repeat_interleave(group, dim=0)  # head h reads KV head h // group
         assert torch.equal(paged[row], want), f"paged: layout query row {row} (seed={seed})"
         assert torch.equal(dense[row], want), f"dense: layout query row {row} (seed={seed})"
+
+
+# ------------------------------------------------------------------------------------------------
+# The sink: a span's private copy of the model's opening, seen only by isolated queries
+
+
+def _random_sink(gen: torch.Generator, layout: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per request, a ``[seq_len]`` bool mask of sink keys: one or two random runs (1 to 8
+    keys) of non-layout keys, none in about a quarter of the requests."""
+    sinks = []
+    for m in layout:
+        sink = torch.zeros_like(m)
+        if _randint(gen, 0, 3) and len(m) > 1:
+            for _ in range(_randint(gen, 1, 2)):
+                start = _randint(gen, 0, len(m) - 1)
+                sink[start : start + _randint(gen, 1, 8)] = True
+        sinks.append(sink & ~m)
+    return sinks
+
+
+def _sink_positions(gen: torch.Generator, layout: list[torch.Tensor], sink: list[torch.Tensor],
+                    dtype: torch.dtype = torch.int64, poison: int = 10**6,
+                    sink_max: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key_positions, key_sink)``, both ``[num_reqs, W]`` as :func:`_key_positions` lays them
+    out: a real key's position counts the real keys before it (sink keys excluded, as if they
+    were not there), a sink key gets a random position in ``[0, sink_max)`` (a virtual one: it
+    may repeat a real key's), a layout key a random negative entry."""
+    kp = _key_positions(gen, [m | s for m, s in zip(layout, sink, strict=True)], dtype, poison)
+    key_sink = torch.zeros(kp.shape, dtype=torch.bool)
+    for i, s in enumerate(sink):
+        virtual = torch.randint(0, sink_max, (len(s),), generator=gen).to(dtype)
+        kp[i, : len(s)] = torch.where(s, virtual, kp[i, : len(s)])
+        key_sink[i, : len(s)] = s
+    return kp, key_sink
+
+
+def _random_isolated(gen: torch.Generator, b: Batch) -> torch.Tensor:
+    """``[num_tokens]`` bool (padding rows included): each query row isolated or not, at a
+    per-request rate (0 to 100 %)."""
+    iso = torch.zeros(b.query.shape[0], dtype=torch.bool)
+    qsl = b.query_start_loc.tolist()
+    for i in range(len(qsl) - 1):
+        rate = _randint(gen, 0, 4) / 4
+        iso[qsl[i] : qsl[i + 1]] = torch.rand(qsl[i + 1] - qsl[i], generator=gen) < rate
+    return iso
+
+
+@pytest.mark.parametrize("with_key_start", [True, False], ids=["key_start", "no_key_start"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
+def test_sink_keys_paged_ref_matches_dense_ref(causal: bool, with_key_start: bool,
+                                               seed: int) -> None:
+    """With sink keys (random runs among random layout keys) and random isolated queries, the
+    paged reference equals the SDPA formulation. Also: no sink key marked, or every query
+    isolated, is bit-identical to no ``key_sink`` (the sink keys are then real keys), and the
+    sink does change some output when a non-isolated query could see a sink key."""
+    gen = _gen(seed)
+    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
+    b = make_batch(gen, mixed_requests(gen) + [(40, 50), (0, 90)], 6, 2, 64, 16)
+    table = _rope_table(256, rot, gen, random_table=bool(_randint(gen, 0, 1)))
+    key_start = _span_key_starts(gen, b, 16) if with_key_start else None
+    layout = _random_layout(gen, b)
+    sink = _random_sink(gen, layout)
+    kp, key_sink = _sink_positions(gen, layout, sink)
+    iso = _random_isolated(gen, b)
+    scale = 64**-0.5
+
+    def paged(ks: torch.Tensor | None, qi: torch.Tensor | None) -> torch.Tensor:
+        return paged_attention_rope_ref(
+            b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+            table, rot, neox, scale, causal, key_start=key_start, key_positions=kp,
+            key_sink=ks, query_isolated=qi,
+        )  # fmt: skip
+
+    out = paged(key_sink, iso)
+    dense = dense_attention_ref(b.query, b.keys, b.values, b.query_start_loc, table, rot, neox,
+                                scale, causal, key_start, key_positions=kp, key_sink=key_sink,
+                                query_isolated=iso)
+    assert_close(out, dense, 1e-5, seed, "paged vs dense with sink keys")
+    plain = paged(None, None)
+    assert torch.equal(paged(torch.zeros_like(key_sink), iso), plain), f"no sink (seed={seed})"
+    assert torch.equal(paged(key_sink, torch.ones_like(iso)), plain), f"all isolated ({seed})"
+    if any(s.any() for s in sink) and not iso[: int(b.query_start_loc[-1])].all():
+        # only a test of the mask when some non-isolated query has a sink key in range
+        seen = _sink_seen_by_non_isolated(b, sink, iso, causal, key_start)
+        if seen:
+            assert rel_err(out, plain) > 1e-4, f"the sink must change some output ({seed})"
+
+
+def _sink_seen_by_non_isolated(b: Batch, sink: list[torch.Tensor], iso: torch.Tensor,
+                               causal: bool, key_start: torch.Tensor | None) -> bool:
+    """Whether some non-isolated query has a sink key (not its own) in its visible range."""
+    qsl = b.query_start_loc.tolist()
+    for i, seq_len in enumerate(b.seq_lens.tolist()):
+        q_len = qsl[i + 1] - qsl[i]
+        for t in range(q_len):
+            row, p = qsl[i] + t, seq_len - q_len + t
+            lo = 0 if key_start is None else int(key_start[row])
+            hi = p + 1 if causal else seq_len
+            idx = [j for j in sink[i][lo:hi].nonzero().flatten().add(lo).tolist() if j != p]
+            if not iso[row] and idx:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
+def test_sink_keys_seen_only_by_isolated_queries(causal: bool, seed: int) -> None:
+    """What the sink's mask is for. A real query that is not isolated attends exactly as over
+    the compacted sequence with the layout keys *and* the sink keys removed (real keys at
+    0 .. n_real - 1; the plain dense formulation, no key_positions); an isolated real query
+    attends as over the sequence with only the layout keys removed, the sink keys at their
+    positions -- so dropping the sink changes its output. Layout and sink keys and values are
+    scaled up so that a leak, or a missing sink, shows."""
+    gen = _gen(seed)
+    block_size, num_heads, num_kv_heads, head_size = 16, 6, 2, 64
+    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
+    b = make_batch(gen, mixed_requests(gen) + [(30, 40), (0, 70)], num_heads, num_kv_heads,
+                   head_size, block_size)
+    table = _rope_table(256, rot, gen)
+    layout = _random_layout(gen, b)
+    sink = _random_sink(gen, layout)
+    iso = _random_isolated(gen, b)
+    # The last request (a 70-token prefill): a sink run at 5..9, then query 30 isolated and
+    # query 31 not, both real, so each kind is drawn in every run.
+    layout[-1][5:10] = False
+    layout[-1][30:32] = False
+    sink[-1][:] = False
+    sink[-1][5:10] = True
+    last = int(b.query_start_loc[-2])
+    iso[last + 30], iso[last + 31] = True, False
+    _amplify_layout_keys(b, [m | s for m, s in zip(layout, sink, strict=True)], block_size)
+    kp, key_sink = _sink_positions(gen, layout, sink)
+    scale = head_size**-0.5
+    out = paged_attention_rope_ref(
+        b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+        table, rot, neox, scale, causal, key_positions=kp, key_sink=key_sink,
+        query_isolated=iso)  # fmt: skip
+
+    # Per kind of query, the compacted batch of the keys it attends over. Every kept key in a
+    # request's query window stays a query (the dense formulation aligns queries to the end of
+    # the keys); only the real queries of that kind are compared.
+    qsl = b.query_start_loc.tolist()
+    for isolated in (False, True):
+        rows, q_lens, keys, values, positions, compared = [], [], [], [], [], []
+        for i, seq_len in enumerate(b.seq_lens.tolist()):
+            real = ~layout[i] & ~sink[i]
+            kept = ~layout[i] if isolated else real
+            q_len = qsl[i + 1] - qsl[i]
+            mine = [qsl[i] + t for t in range(q_len) if kept[seq_len - q_len + t]]
+            compared += [len(rows) + k for k, row in enumerate(mine)
+                         if real[seq_len - q_len + row - qsl[i]] and bool(iso[row]) == isolated]
+            rows += mine
+            q_lens.append(len(mine))
+            keys.append(b.keys[i][kept])
+            values.append(b.values[i][kept])
+            positions.append(kp[i, :seq_len][kept])
+        compact_qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(),
+                                   dtype=torch.int32)
+        compact_kp = None
+        if isolated:  # the sink keys at their own (virtual) positions
+            compact_kp = torch.zeros(len(positions), max(len(p) for p in positions),
+                                     dtype=torch.int64)
+            for i, p in enumerate(positions):
+                compact_kp[i, : len(p)] = p
+        want = dense_attention_ref(b.query[rows], keys, values, compact_qsl, table, rot, neox,
+                                   scale, causal, key_positions=compact_kp)
+        what = "isolated" if isolated else "non-isolated"
+        assert compared, f"no {what} real query drawn (seed={seed})"
+        assert_close(out[rows][compared], want[compared], 1e-5, seed,
+                     f"{what} queries vs their compacted keys")
+    # Dropping the sink (every query non-isolated) changes the isolated query that sees it.
+    dropped = paged_attention_rope_ref(
+        b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+        table, rot, neox, scale, causal, key_positions=kp, key_sink=key_sink,
+        query_isolated=torch.zeros_like(iso))  # fmt: skip
+    assert rel_err(out[last + 30], dropped[last + 30]) > 1e-2, f"sink unseen (seed={seed})"
+    assert torch.equal(out[last + 31], dropped[last + 31]), f"seed={seed}"
+
+
+def test_sink_arguments_are_checked() -> None:
+    """key_sink and query_isolated come together, only with key_positions, with the right
+    shapes and dtypes; every entry point says so before computing anything."""
+    gen = _gen(0)
+    b = make_batch(gen, [(3, 2), (0, 4)], 2, 1, 16, 16)
+    table = _rope_table(64, 16, gen)
+    kp = torch.arange(8).repeat(2, 1)
+    ks, iso = torch.zeros(2, 8, dtype=torch.bool), torch.zeros(6, dtype=torch.bool)
+    bad = [
+        (dict(key_positions=kp, key_sink=ks), "together"),
+        (dict(key_positions=kp, query_isolated=iso), "together"),
+        (dict(key_sink=ks, query_isolated=iso), "key_positions"),
+        (dict(key_positions=kp, key_sink=ks[:, :7], query_isolated=iso), "key_sink"),
+        (dict(key_positions=kp, key_sink=ks.int(), query_isolated=iso), "key_sink"),
+        (dict(key_positions=kp, key_sink=ks, query_isolated=iso[:5]), "query_isolated"),
+        (dict(key_positions=kp, key_sink=ks, query_isolated=iso.int()), "query_isolated"),
+    ]
+    args = (b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+            table, 16, True, 0.25)
+    dense_args = (b.query, b.keys, b.values, b.query_start_loc, table, 16, True, 0.25)
+    for kw, msg in bad:
+        for fn, a in ((paged_attention_rope_ref, args), (dense_attention_ref, dense_args),
+                      (paged_attention_rope_triton, args)):
+            with pytest.raises(ValueError, match=msg):
+                fn(*a, **kw)
+
+
+# (num_heads, num_kv_heads, head_size, rot, neox, block_size, causal, key_start, kp dtype, launch)
+SINK_TRITON_CASES = [
+    (6, 2, 64, 32, False, 16, True, True, torch.int32, {}),
+    (4, 4, 64, 64, True, 32, False, False, torch.int64, {"block_n": 16}),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,rot,neox,block_size,causal,with_key_start,kp_dtype,launch",
+    SINK_TRITON_CASES,
+    ids=[f"H{c[0]}-KV{c[1]}-D{c[2]}-R{c[3]}-B{c[5]}-{'causal' if c[6] else 'full'}"
+         f"{'-ks' if c[7] else ''}-{str(c[8])[6:]}" for c in SINK_TRITON_CASES],
+)  # fmt: skip
+def test_sink_keys_triton_matches_reference(
+    num_heads, num_kv_heads, head_size, rot, neox, block_size, causal, with_key_start, kp_dtype,
+    launch, seed,
+) -> None:
+    """The Triton kernel with sink keys equals the paged reference (random layouts and sink
+    runs, random isolated queries, key tiles narrower and wider than a block, with and without
+    key_start), on a mixed batch and a decode-only one (the small-tile launch); layout queries
+    still see only themselves."""
+    gen = _gen(seed)
+    table = _rope_table(256, rot, gen, random_table=bool(_randint(gen, 0, 1)))
+    scale = head_size**-0.5
+    batches = [
+        (make_batch(gen, mixed_requests(gen) + [(20, 30)], num_heads, num_kv_heads, head_size,
+                    block_size, pad_tokens=2), launch),
+        (make_batch(gen, [(_randint(gen, 0, 60), 1) for _ in range(4)], num_heads, num_kv_heads,
+                    head_size, block_size), {**launch, "max_query_len": 1}),
+    ]  # fmt: skip
+    for b, kw in batches:
+        key_start = _span_key_starts(gen, b, block_size) if with_key_start else None
+        layout = _random_layout(gen, b)
+        sink = _random_sink(gen, layout)
+        kp, key_sink = _sink_positions(gen, layout, sink, kp_dtype, poison=table.shape[0] - 1)
+        iso = _random_isolated(gen, b)
+        ref = paged_attention_rope_ref(
+            b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
+            table, rot, neox, scale, causal, key_start=key_start, key_positions=kp,
+            key_sink=key_sink, query_isolated=iso)  # fmt: skip
+        dev = b.to(DEVICE)
+        out = run_triton(dev, table, rot, neox, causal,
+                         key_start=None if key_start is None else key_start.to(DEVICE),
+                         key_positions=kp.to(DEVICE), key_sink=key_sink.to(DEVICE),
+                         query_isolated=iso.to(DEVICE), **kw).cpu()  # fmt: skip
+        n = int(b.query_start_loc[-1])
+        assert torch.isnan(out[n:]).all(), f"padding rows written (seed={seed})"
+        assert_close(out[:n], ref[:n], 1e-3, seed, f"triton vs ref with sink keys ({kw})")
+        for row, i, p in _layout_rows(b, layout):
+            want = b.values[i][p].repeat_interleave(num_heads // num_kv_heads, dim=0)
+            assert torch.equal(out[row], want), f"layout query row {row} (seed={seed})"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -250,6 +250,44 @@ def test_everything_recomputed_equals_the_plain_prompt_smollm2(engines, seed) ->
         assert err < REFERENCE_TOL, f"{name}: off the plain prompt by {err:.2e} (seed={seed})"
 
 
+def test_span_sinks_equal_the_reference_smollm2(engines, seed) -> None:
+    """The sink (docs/design.md §2): each span carries the model's opening after its SSEP, seen
+    by that span only. SmolLM2's ``block_attention`` prompts, with sinks and without, cold and
+    warm (spans from their prefills), equal the reference that follows the same rule; a warm
+    final reads its spans' sinks from the cache, and the sink changes the answer."""
+    from support.pic_engine import random_documents
+    from support.pic_reference import reference_error
+
+    from minipic.prompt_builder import PromptBuilder
+    from minipic.tune.layout import isolated_runs
+
+    llm = engines.get("smol_pic")
+    model = llm.minipic_settings.model
+    cfg = llm.minipic_settings.span_config
+    assert len(cfg.sink_ids) == 24, cfg  # the engine's own: SmolLM2's opening
+    with_sink = PromptBuilder.from_pretrained(model, block_size=cfg.block_size)
+    without = PromptBuilder.from_pretrained(model, block_size=cfg.block_size, sink_ids=())
+    rng = random.Random(seed)
+    common = dict(system="Answer from the documents.", spans=random_documents(rng),
+                  question="Which word comes first?", mode="block_attention")
+    ref = PicReference(model)
+    params = pic_sampling(max_tokens=6, logprobs=20)
+    firsts = []
+    for name, builder in (("sink", with_sink), ("no sink", without)):
+        built = builder.build(**common)
+        ids, runs = built.prompt_token_ids, [(a, b) for a, b, _ in isolated_runs(built)]
+        llm.reset_prefix_cache()
+        cold = generate(llm, [ids], params)[0]
+        prefill(llm, built.span_prefills)
+        warm = generate(llm, [ids], params)[0]
+        assert warm.num_cached_tokens >= built.expected_cached_tokens > 0, f"seed={seed}"
+        for when, out in (("cold", cold), ("warm", warm)):
+            err = reference_error(out, ids, runs, ref)
+            assert err < REFERENCE_TOL, f"{name} {when}: off by {err:.2e} (seed={seed})"
+        firsts.append(ref.logprobs(ids, runs)[len(ids) - 1])
+    assert (firsts[0] - firsts[1]).abs().max() > 1e-2, f"the sink changed nothing (seed={seed})"
+
+
 # ------------------------------------------------------------------------------------------------
 # backend read paths without an engine
 
@@ -704,3 +742,108 @@ def test_key_shadow_commits_only_written_pages_and_gives_them_back() -> None:
     assert bool((shadow.keys[blocks - 1] == 1.0).all())
     shadow.release_all()
     assert float(shadow.keys.abs().sum()) == 0.0
+
+
+@pytest.mark.fast
+def test_cuda_backend_glue_hides_the_sink_outside_its_span(seed: int, monkeypatch) -> None:
+    """The CUSTOM backend's sink glue, through Triton's interpreter: the builder carries the
+    span view's ``key_sink`` / ``query_isolated`` into the metadata (widened like
+    ``key_positions``: a plain request's row holds no sink, whatever the view has there) and
+    the kernel call gets them. Request 0 = [opening 0..31][SSEP 32, sink 33..37, span ..63]
+    [PDEP 64, question ..69] with random layout tokens: the span's queries (isolated) read the
+    sink, the opening's and the question's do not; request 1 is plain. The step equals the
+    dense reference with the same sink, and that reference does depend on both sides of it."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    import minipic.kernels.triton_paged_attention as triton_kernel
+    from minipic.engine_ext.attention import span_isolation
+    from minipic.engine_ext.attention.cuda_backend import (
+        MinipicCudaAttentionImpl,
+        MinipicCudaMetadataBuilder,
+    )
+    from minipic.engine_ext.attention.span_isolation import SpanView
+    from minipic.kernels import dense_attention_ref, rotate
+
+    if "Interpreted" not in type(triton_kernel._paged_attention_rope_kernel).__name__:
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set")
+    gen = torch.Generator().manual_seed(seed)
+    rope = neox_rope(HEAD, torch.float32)
+    args = (rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)
+
+    # request 0: layout tokens (SSEP, PDEP, random PADs), the sink run, positions as
+    # span_isolation lays them out (real tokens after the sink's length, the sink just before
+    # the span's first real token)
+    lens, tables = [70, 20], [[1, 2, 3], [4]]
+    layout = torch.rand(70, generator=gen) < 0.2
+    layout[[32, 64]] = True
+    sink = torch.zeros(70, dtype=torch.bool)
+    sink[33:38] = True
+    layout[33:38] = False
+    real = (~layout & ~sink).long()
+    before = torch.cumsum(real, 0) - real
+    rope_at = torch.where(sink, before + torch.arange(70) - 33, before + 5)
+    view_kp = torch.zeros(2, 70, dtype=torch.int64)  # row 1 (plain) left as the view leaves it
+    view_kp[0] = torch.where(layout, -1, rope_at)
+    view_sink = torch.ones(2, 70, dtype=torch.bool)  # row 1: poison, the builder must drop it
+    view_sink[0] = sink
+    idx = torch.arange(70)
+    key_start = torch.cat([torch.where((idx >= 32) & (idx < 64), 32, 0),
+                           torch.zeros(20, dtype=torch.int64)])
+    isolated = torch.cat([(idx >= 32) & (idx < 64), torch.zeros(20, dtype=torch.bool)])
+    shift = torch.cat([rope_at - idx, torch.zeros(20, dtype=torch.int64)])
+    view = SpanView(key_start=key_start, masked=torch.tensor([True, False]),
+                    key_positions=view_kp, query_shift=shift, key_sink=view_sink,
+                    query_isolated=isolated)
+
+    unrotated = torch.randn(90, HEADS, HEAD, generator=gen)
+    keys = torch.randn(90, KV_HEADS, HEAD, generator=gen)
+    values = torch.randn(90, KV_HEADS, HEAD, generator=gen)
+    qsl = torch.tensor([0, 70, 90], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    for r, blocks in enumerate(tables):
+        table[r, : len(blocks)] = torch.tensor(blocks)
+    slots = torch.tensor([tables[r][p // BLOCK] * BLOCK + p % BLOCK
+                          for r, n in enumerate(lens) for p in range(n)])
+    physical = torch.cat([idx, torch.arange(20)])
+
+    # the builder, on a synthetic step (no runner: one window per request)
+    monkeypatch.setattr(span_isolation, "step_span_view", lambda *a: view)
+    builder = object.__new__(MinipicCudaMetadataBuilder)
+    builder.kv_cache_spec = SimpleNamespace(block_size=BLOCK)
+    builder.device = torch.device("cpu")
+    md = builder.build(0, SimpleNamespace(
+        causal=True, num_reqs=2, num_actual_tokens=90, max_query_len=70, query_start_loc=qsl,
+        query_start_loc_cpu=qsl, seq_lens=seq_lens, block_table_tensor=table,
+        slot_mapping=slots))
+    kp = view_kp.clone()
+    kp[1] = torch.arange(70)
+    key_sink = view_sink.clone()
+    key_sink[1] = False
+    assert torch.equal(md.key_positions, kp) and torch.equal(md.key_sink, key_sink)
+    assert torch.equal(md.query_isolated, isolated)
+
+    impl = MinipicCudaAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS)
+    impl.minipic_rope = rope
+    out = torch.full((90, HEADS, HEAD), float("nan"))
+    impl.forward(None, rotate(unrotated, physical, *args), keys, values,
+                 torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD), md, out)
+
+    def reference(**sink_args) -> torch.Tensor:
+        return dense_attention_ref(
+            rotate(unrotated, physical + shift, *args), [keys[:70], keys[70:]],
+            [values[:70], values[70:]], qsl, *args, HEAD**-0.5, key_start=key_start,
+            key_positions=kp, **sink_args)
+
+    expected = reference(key_sink=key_sink, query_isolated=isolated)
+    tol = ATTENTION_ULPS[torch.float32] * ulp(float(expected.abs().max()), torch.float32)
+    check_close(out, expected, atol=tol, rtol=0.0, what="CUSTOM backend, sink", seed=seed)
+    # the step exercises both sides: the span's queries read the sink, the question's do not
+    # (without the sink mask they would), and the opening's queries come before the sink
+    hidden = reference(key_sink=key_sink, query_isolated=torch.zeros_like(isolated))
+    shown = reference()
+    assert (expected[38:64] - hidden[38:64]).abs().max() > 100 * tol, f"seed={seed}"
+    assert (expected[65:70] - shown[65:70]).abs().max() > 100 * tol, f"seed={seed}"
+    assert (expected[:32] - hidden[:32]).abs().max() <= tol, f"seed={seed}"
+    assert (expected[70:] - shown[70:]).abs().max() <= tol, f"seed={seed}"
