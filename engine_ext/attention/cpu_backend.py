@@ -174,7 +174,11 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from minipic.engine_ext.attention import cpu_kv_layout, masked_rows  # noqa: E402
 from minipic.engine_ext.attention.key_shadow.pages import KeyShadow  # noqa: E402
-from minipic.engine_ext.attention.key_shadow.pool import KeyShadowIndex, pool_cap_entries  # noqa: E402
+from minipic.engine_ext.attention.key_shadow.pool import (  # noqa: E402
+    KeyShadowIndex,
+    pool_cap_entries,
+    pool_share,
+)
 from minipic.engine_ext.attention.span_isolation import step_positions, step_span_view  # noqa: E402
 from minipic.engine_ext.attention.step_plan import (  # noqa: E402
     HomeSlots,
@@ -518,7 +522,11 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
 
         pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 2 * key_cache.shape[2],
                               self.head_size)
-        masked_rows.attend(rows, query, pages, layout, rotate, self.scale, output)
+        kept = self.__dict__.setdefault("_kept_keys", {})
+        # the kept keys live in the key shadow's share of the memory (the shadow itself idles:
+        # every request that reads a span off home holds layout tokens, so it comes here)
+        cap = int(kv_cache.numel() * kv_cache.element_size() * pool_share())
+        masked_rows.attend(rows, query, pages, layout, rotate, self.scale, output, kept, cap)
 
     def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, block_table: torch.Tensor,

@@ -111,7 +111,10 @@ class SpanView:
       only by its own span. ``key_sink[r, j]`` marks such a key (its ``key_positions`` entry is
       its virtual position, >= 0: just before the span's first real token); only the queries
       with ``query_isolated[t]`` (rows inside an SSEP-led segment, whose ``key_start`` already
-      keeps them inside their own span) may attend to it. None: no sink key in the step.
+      keeps them inside their own span) may attend to it. None: no sink key in the step
+      (``query_isolated`` is there whenever a request is masked).
+    * ``req_ids[r]``: the request of row ``r`` (masked rows; what lets attention keep a
+      request's keys from one step to the next, ``attention/masked_rows.py``).
     """
 
     key_start: torch.Tensor | None = None
@@ -120,6 +123,7 @@ class SpanView:
     query_shift: torch.Tensor | None = None  # [num_tokens] int64
     key_sink: torch.Tensor | None = None  # [num_reqs, W] bool
     query_isolated: torch.Tensor | None = None  # [num_tokens] bool
+    req_ids: list[str | None] | None = None  # [num_reqs]
 
     @property
     def any_masked(self) -> bool:
@@ -217,17 +221,18 @@ def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     view.masked = torch.zeros(len(lens), dtype=torch.bool)
     view.key_positions = torch.zeros(len(lens), width, dtype=torch.int64)
     with_sinks = any(r.sink.any() for r in rows.values())
+    view.query_isolated = torch.zeros(num_tokens, dtype=torch.bool)
+    view.req_ids = [req_ids[r] if r in rows else None for r in range(len(lens))]
     if with_sinks:
         view.key_sink = torch.zeros(len(lens), width, dtype=torch.bool)
-        view.query_isolated = torch.zeros(num_tokens, dtype=torch.bool)
     for row, r in rows.items():
         view.key_start[qsl[row]:qsl[row + 1]] = torch.from_numpy(r.key_start)
         view.query_shift[qsl[row]:qsl[row + 1]] = torch.from_numpy(r.query_shift)
         view.masked[row] = True
         view.key_positions[row, :r.key_positions.size] = torch.from_numpy(r.key_positions)
+        view.query_isolated[qsl[row]:qsl[row + 1]] = torch.from_numpy(r.isolated)
         if with_sinks:
             view.key_sink[row, :r.sink.size] = torch.from_numpy(r.sink)
-            view.query_isolated[qsl[row]:qsl[row + 1]] = torch.from_numpy(r.isolated)
     if not view.key_start.any():
         view.key_start = None
     return view

@@ -88,6 +88,8 @@ class MaskedBatch:
     key_start: torch.Tensor | None  # [T] int64 (None: 0)
     key_sink: torch.Tensor | None = None  # [R, W] bool
     query_isolated: torch.Tensor | None = None  # [T] bool
+    # the request of each row, None where a request has several rows (holes) in the step
+    requests: list[str | None] = dataclasses.field(default_factory=list)
     # what every layer of the step shares, built by the first (``attention/masked_rows.py``)
     derived: dict = dataclasses.field(default_factory=dict)
 
@@ -412,13 +414,16 @@ def _masked_batch(view: SpanView, qsl: torch.Tensor, lens: torch.Tensor,
     sub_qsl[1:] = torch.cumsum(qsl[1:][reqs] - qsl[:-1][reqs], 0)
     row_qsl, row_lens, row_req = gap_rows(sub_qsl, positions[rows])
     req = torch.tensor(reqs, dtype=torch.long)[row_req]
+    owners = [view.req_ids[r] if view.req_ids else None for r in req.tolist()]
+    requests = [o if owners.count(o) == 1 else None for o in owners]
     return MaskedBatch(
         rows=rows, query_start_loc=row_qsl.to(torch.int32), seq_lens=row_lens,
         block_table=block_table[req], key_positions=view.key_positions[req],
         query_shift=view.query_shift[rows],
         key_start=None if view.key_start is None else view.key_start[rows],
         key_sink=None if view.key_sink is None else view.key_sink[req],
-        query_isolated=None if view.query_isolated is None else view.query_isolated[rows])
+        query_isolated=None if view.query_isolated is None else view.query_isolated[rows],
+        requests=requests)
 
 def _sub_batch(reqs: list[int], qsl: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, scheduler_metadata: ScheduleFn | None) -> SubBatch:

@@ -573,6 +573,79 @@ def test_cpu_backend_hides_layout_tokens(dtype: torch.dtype, seed: int, monkeypa
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_keys_follow_a_request_step_by_step(dtype: torch.dtype, seed: int,
+                                                 monkeypatch) -> None:
+    """The masked rows keep a request's real keys (moved to their logical positions) from one
+    step to the next, so a step reads and moves only its new keys: a prompt whose layout
+    tokens sit before its question (system padding, PDEP), prefilled in two chunks and then
+    decoded, equals the dense reference at every step, and the kept copy is extended, not
+    rebuilt; a changed block table makes it start over, equal again."""
+    from minipic.engine_ext.attention.span_isolation import SpanView
+    from minipic.kernels import dense_attention_ref, rotate
+    from minipic.span_contract.env import KEY_SHADOW_SHARE_ENV
+
+    gen = torch.Generator().manual_seed(seed)
+    rope = neox_rope(HEAD, dtype)
+    attn = CpuAttention("auto", dtype, rope, None, monkeypatch, heads=HEADS, kv_heads=KV_HEADS,
+                        head=HEAD, block=BLOCK)
+    monkeypatch.setenv(KEY_SHADOW_SHARE_ENV, "0.9")  # room for the copy beside a 16-block cache
+    total, system = 72, int(torch.randint(3, 30, (1,), generator=gen))
+    layout = torch.zeros(total, dtype=torch.bool)
+    layout[system:BLOCK + 1] = True  # the system block's pads and the question's PDEP
+    real = (~layout).long()
+    logical = torch.cumsum(real, 0) - real
+    key_positions = torch.where(layout, -1, logical)
+    unrotated = torch.randn(total, HEADS, HEAD, generator=gen).to(dtype)
+    keys = torch.randn(total, KV_HEADS, HEAD, generator=gen).to(dtype)
+    values = torch.randn(total, KV_HEADS, HEAD, generator=gen).to(dtype)
+    args = (rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)
+    expected = dense_attention_ref(
+        rotate(unrotated, logical, *args), [keys], [values],
+        torch.tensor([0, total], dtype=torch.int32), *args, HEAD**-0.5,
+        key_positions=key_positions.unsqueeze(0))
+    kept = attn.impl.__dict__.setdefault("_kept_keys", {})
+    table = torch.tensor([[5, 9, 2]], dtype=torch.int32)
+    # two prefill chunks, then single-token decode steps
+    steps = [(0, 40), (40, 70), (70, 71), (71, 72)]
+    copies = []
+    for start, end in steps:
+        qsl = torch.tensor([0, end - start], dtype=torch.int32)
+        lens = torch.tensor([end], dtype=torch.int32)
+        positions = torch.arange(start, end)
+        slots = table[0, positions // BLOCK].long() * BLOCK + positions % BLOCK
+        view = SpanView(masked=torch.tensor([True]), key_positions=key_positions[:end][None],
+                        query_shift=logical[start:end] - positions,
+                        query_isolated=torch.zeros(end - start, dtype=torch.bool),
+                        req_ids=["a"])
+        plan = attn.plan(qsl, lens, table, slots, view=view)
+        out = attn.forward(rotate(unrotated[start:end], positions, *args), keys[start:end],
+                           values[start:end], qsl, lens, table, slots, plan)
+        want = expected[start:end]
+        tol = ATTENTION_ULPS[dtype] * ulp(float(want.abs().max()), dtype)
+        check_close(out, want, atol=tol, rtol=0.0, what=f"step {start}-{end}, {dtype}",
+                    seed=seed)
+        copies.append(kept["a"])
+        assert kept["a"].count == int(real[:end].sum()), f"seed={seed}"
+    assert all(c is copies[0] for c in copies), f"the kept copy was rebuilt (seed={seed})"
+    # the same last step over another table (a preempted request that came back elsewhere)
+    moved = torch.tensor([[7, 3, 11]], dtype=torch.int32)
+    attn.kv_cache[moved[0].long()] = attn.kv_cache[table[0].long()]
+    attn.home.slot[moved[0].long()] = attn.home.slot[table[0].long()]
+    qsl, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([total], dtype=torch.int32)
+    slots = moved[0, (total - 1) // BLOCK].long() * BLOCK + torch.tensor([(total - 1) % BLOCK])
+    view = SpanView(masked=torch.tensor([True]), key_positions=key_positions[None],
+                    query_shift=logical[-1:] - (total - 1),
+                    query_isolated=torch.zeros(1, dtype=torch.bool), req_ids=["a"])
+    plan = attn.plan(qsl, lens, moved, slots, view=view)
+    out = attn.forward(rotate(unrotated[-1:], torch.tensor([total - 1]), *args), keys[-1:],
+                       values[-1:], qsl, lens, moved, slots, plan)
+    tol = ATTENTION_ULPS[dtype] * ulp(float(expected[-1:].abs().max()), dtype)
+    check_close(out, expected[-1:], atol=tol, rtol=0.0, what="after a move", seed=seed)
+    assert kept["a"] is not copies[0], f"a moved request kept a stale copy (seed={seed})"
+
+
+@pytest.mark.fast
 def test_cuda_backend_glue_hides_layout_tokens(seed: int) -> None:
     """The CUSTOM backend's rule-1 glue (queries moved to their logical positions, the kernel's
     ``key_positions``) on the same step, through Triton's interpreter."""
