@@ -208,6 +208,19 @@ class PromptBuilder:
 
     # -- helpers for callers --------------------------------------------------------------------
 
+    def without_sink(self) -> PromptBuilder:
+        """This builder with spans that carry no sink (``SpanConfig.sink_ids`` empty): what
+        the layout costs without it, in tokens and in fidelity. Any engine accepts such
+        spans; it simply finds no sink in them."""
+        cached = getattr(self, "_without_sink", None)
+        if cached is None:
+            config = self.span_config.model_copy(update={"sink_ids": ()})
+            cached = PromptBuilder(self.tokenizer, config, chat_template=self.chat_template,
+                                   chat_template_kwargs=self.chat_template_kwargs,
+                                   max_model_len=self.max_model_len)
+            self._without_sink = cached
+        return cached
+
     @property
     def counter(self) -> TokenCounter:
         """This builder's tokenizer as a ``TokenCounter`` (for ``fit_texts`` and the like)."""

@@ -1,14 +1,15 @@
 """Prompt layouts: where the system prompt, spans and question go, and which markers lead them.
 
-Notation below: ``S`` = SSEP with the span's sink after it (``SpanConfig.sink_ids``: a copy of
-the model's opening that only that span attends to, docs/design.md §2), ``P`` = PDEP,
-``_`` = PAD, ``|`` = block boundary, ``sys`` = the system span (BOS / chat-template header +
-system prompt + the user-turn header), ``d_i`` = span i's tokens, ``q`` = the question with the
-template's tail (end of the user turn and the assistant header). Reuse is stated for the minipic engine (span hashing, a lookup that
-continues past misses and computes only the holes, span isolation in attention; never the last
-token's block), once every span prefill of the prompt ran. ``BuiltPrompt.expected_cached_tokens``
-(= ``reusable_tokens``) is that number; ``BuiltPrompt.leading_cached_tokens`` is what a
-prefix-only lookup would take (the engine without its ``holes`` feature).
+Notation below: ``S`` = SSEP with the span's sink after it (``SpanConfig.sink_ids``: a copy of the
+model's opening that only that span attends to, docs/design.md §2), ``P`` = PDEP, ``_`` = PAD,
+``|`` = block boundary, ``sys`` = the system span (BOS / chat-template header + system prompt + the
+user-turn header), ``d_i`` = span i's tokens, ``q`` = the question with the template's tail (end of
+the user turn and the assistant header). Reuse is stated for the minipic engine (span hashing, a
+lookup that continues past misses and computes only the holes, span isolation in attention; never
+the last token's block), once every span prefill of the prompt ran.
+``BuiltPrompt.expected_cached_tokens`` (= ``reusable_tokens``) is that number;
+``BuiltPrompt.leading_cached_tokens`` is what a prefix-only lookup would take (the engine without
+its ``holes`` feature).
 
 Attention (the engine's span isolation, docs/design.md §2): an SSEP-led segment attends only
 within itself, whichever request computes it; everything else attends to all before it. So the

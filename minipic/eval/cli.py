@@ -44,7 +44,8 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"comma-separated (default {','.join(DEFAULT_MODES)}); "
                         f"boundary_recompute@TOKENS sets its head length (default one block), "
                         f"selective@SHARE the share of each span's blocks recomputed in "
-                        f"context (e.g. selective@0.15)")
+                        f"context (e.g. selective@0.15); MODE/no-sink lays the spans out "
+                        f"without their sink (the model's opening each span carries)")
     p.add_argument("--passages", default="3-10",
                    help="documents per built-in item, MIN-MAX (default 3-10)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")

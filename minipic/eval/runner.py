@@ -44,12 +44,19 @@ async def _teacher_forced(backend: Any, prompt: list[int], answer: list[int], k:
     return out
 
 
+# a ``--modes`` entry ending in this lays its spans out without their sink (docs/design.md §2),
+# on the same engine: the sink's own row, paired with the mode's
+NO_SINK = "/no-sink"
+
+
 def parse_mode(spec: str) -> str:
     """A ``--modes`` entry in its canonical text form (``prompt_builder.parse_mode``:
-    ``block_attention``, ``boundary_recompute@63``, ``selective@0.15``); ``ValueError`` with
-    the reason otherwise."""
+    ``block_attention``, ``boundary_recompute@63``, ``selective@0.15``; any of them may end in
+    ``/no-sink``); ``ValueError`` with the reason otherwise."""
     from minipic.prompt_builder import parse_mode as parse
 
+    if spec.endswith(NO_SINK):
+        return str(parse(spec[: -len(NO_SINK)])) + NO_SINK
     return str(parse(spec))
 
 
@@ -58,10 +65,13 @@ def _build(orc: Any, item: EvalItem, spec: str, max_tokens: int) -> Any:
     from minipic.orchestrator.errors import from_build_error
     from minipic.prompt_builder import PromptBuildError
 
+    builder = orc.builder
+    if spec.endswith(NO_SINK):
+        builder, spec = builder.without_sink(), spec[: -len(NO_SINK)]
     try:
-        return orc.builder.build(question=item.question, system=item.system,
-                                 spans=list(item.documents), mode=parse_mode(spec),
-                                 max_tokens=max_tokens)
+        return builder.build(question=item.question, system=item.system,
+                             spans=list(item.documents), mode=parse_mode(spec),
+                             max_tokens=max_tokens)
     except PromptBuildError as exc:
         raise from_build_error(exc) from exc
 
