@@ -58,6 +58,8 @@ def measure(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     llm = build_llm(EngineSettings(max_model_len=args.max_model_len))
     builder = PromptBuilder.from_pretrained(llm.minipic_settings.model, block_size=32)
+    if args.no_sink:
+        builder = builder.without_sink()
     vocab = llm.get_tokenizer().vocab_size
     opted = {SPANS_OPT_IN_KEY: True}
 
@@ -102,14 +104,14 @@ def measure(args: argparse.Namespace) -> dict:
             **{k: statistics.median(v) for k, v in out.items()}}
 
 
-def side_run(root: Path, args: argparse.Namespace, seed: int) -> dict:
+def side_run(root: Path, args: argparse.Namespace, seed: int, no_sink: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "side.json"
         env = {**os.environ, "PYTHONPATH": str(root)}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--json", str(path),
                "--seed", str(seed), "--reps", str(args.reps), "--docs", str(args.docs),
                "--decode-tokens", str(args.decode_tokens),
-               "--max-model-len", str(args.max_model_len)]
+               "--max-model-len", str(args.max_model_len)] + (["--no-sink"] if no_sink else [])
         subprocess.run(cmd, env=env, cwd=root, check=True)
         result = json.loads(path.read_text())
     expected = str(root / "minipic")
@@ -124,14 +126,20 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ratios = summary["after_over_before"]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    names = list(ratios)
-    ax.barh(names, [ratios[n] for n in names], color="#4477aa")
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    sides = [s for s in summary["median"] if s != "before"]
+    height = 0.8 / len(sides)
+    for k, side in enumerate(sides):
+        ratios = summary["over_before"][side]
+        names = list(ratios)
+        ys = [i + k * height for i in range(len(names))]
+        ax.barh(ys, [ratios[n] for n in names], height=height, label=side)
+        for y, n in zip(ys, names, strict=True):
+            ax.text(ratios[n], y, f" {ratios[n]:.2f}", va="center", fontsize=7)
+    ax.set_yticks([i + height * (len(sides) - 1) / 2 for i in range(len(FIGURES))], FIGURES)
     ax.axvline(1.0, color="black", lw=0.8)
-    for i, n in enumerate(names):
-        ax.text(ratios[n], i, f" {ratios[n]:.2f}", va="center", fontsize=8)
-    ax.set_xlabel("after rule 1 / before (median over rounds)")
+    ax.legend(fontsize=7)
+    ax.set_xlabel("this checkout / the base commit (median over rounds)")
     ax.set_title("Rule 1 in the CPU engine, SmolLM2-135M fp32")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -149,6 +157,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--no-sink-side", action="store_true",
+                    help="also run this checkout with spans laid out without their sink")
+    ap.add_argument("--no-sink", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -161,12 +172,15 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.base_commit],
                        cwd=REPO, check=True)
         try:
-            sides = {"before": base, "after": REPO}
-            runs: dict[str, list[dict]] = {"before": [], "after": []}
+            sides = {"before": (base, False), "after": (REPO, False)}
+            if args.no_sink_side:
+                sides["after_no_sink"] = (REPO, True)
+            runs: dict[str, list[dict]] = {side: [] for side in sides}
             for r in range(args.rounds):
-                order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+                order = list(sides) if r % 2 == 0 else list(sides)[::-1]
                 for side in order:
-                    runs[side].append(side_run(sides[side], args, seed + r))
+                    root, no_sink = sides[side]
+                    runs[side].append(side_run(root, args, seed + r, no_sink))
                     print(side, r, {k: round(v, 4) for k, v in runs[side][-1].items()
                                     if k in FIGURES}, flush=True)
         finally:
@@ -179,15 +193,17 @@ def main() -> None:
                     "cores": os.cpu_count()},
         "base_commit": args.base_commit, "seed": seed, "rounds": args.rounds,
         "reps": args.reps, "docs": args.docs, "decode_tokens": args.decode_tokens,
-        "prompt_tokens": runs["after"][0]["prompt_tokens"],
+        "prompt_tokens": {side: runs[side][0]["prompt_tokens"] for side in runs},
         "median": med,
         "after_over_before": {f: med["after"][f] / med["before"][f] for f in FIGURES},
+        "over_before": {side: {f: med[side][f] / med["before"][f] for f in FIGURES}
+                        for side in runs if side != "before"},
         "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "layout_rule.json").write_text(json.dumps(summary, indent=2))
     plot(summary, args.out / "layout_rule.png")
-    print(json.dumps(summary["after_over_before"], indent=2))
+    print(json.dumps(summary["over_before"], indent=2))
 
 
 if __name__ == "__main__":

@@ -143,7 +143,8 @@ def test_small_real_run_has_every_field(tiny_orchestrator, tmp_path: Path, seed)
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"question": "q"}\n\xff\n')
     errors = load_jsonl(bad).errors
-    modes = ("prefix", "block_attention", "boundary_recompute", "boundary_recompute@40")
+    modes = ("prefix", "block_attention", "boundary_recompute", "boundary_recompute@40",
+             "block_attention/no-sink")
     report = tiny_orchestrator.submit(evaluate(
         tiny_orchestrator.aio, items, modes, max_tokens=4, errors=errors, progress=False,
         concurrency=2)).result()
@@ -165,6 +166,7 @@ def test_small_real_run_has_every_field(tiny_orchestrator, tmp_path: Path, seed)
     for record in report["items"]:
         assert set(record["modes"]) == set(summary["modes"])
         assert record["modes"]["block_attention"]["cached_tokens"] > 0  # spans were reused
+        assert record["modes"]["block_attention/no-sink"]["cached_tokens"] > 0
     write(report, tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert saved["summary"]["n"] == 3

@@ -814,11 +814,7 @@ def test_layout_keys_paged_ref_matches_dense_ref(causal: bool, with_key_start: b
     int64 positions agree bit for bit, identity positions with no layout key are bit-identical
     to no key_positions, and the layout does change the output."""
     gen = _gen(seed)
-    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
-    b = make_batch(gen, mixed_requests(gen) + [(40, 50), (0, 90)], 6, 2, 64, 16)
-    table = _rope_table(256, rot, gen, random_table=bool(_randint(gen, 0, 1)))
-    key_start = _span_key_starts(gen, b, 16) if with_key_start else None
-    layout = _random_layout(gen, b)
+    rot, neox, b, table, key_start, layout = _random_layout_case(gen, with_key_start)
     kp = _key_positions(gen, layout)
     scale = 64**-0.5
 
@@ -839,6 +835,46 @@ def test_layout_keys_paged_ref_matches_dense_ref(causal: bool, with_key_start: b
         assert rel_err(out, paged(None)) > 1e-3, "layout keys must change some output"
 
 
+def _random_layout_case(gen: torch.Generator, with_key_start: bool) -> tuple:
+    """``(rot, neox, batch, table, key_start, layout)``: mixed prefill / decode rows, GQA 3, a
+    random rotary fraction, style and table, random span key starts and layout keys."""
+    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
+    b = make_batch(gen, mixed_requests(gen) + [(40, 50), (0, 90)], 6, 2, 64, 16)
+    table = _rope_table(256, rot, gen, random_table=bool(_randint(gen, 0, 1)))
+    key_start = _span_key_starts(gen, b, 16) if with_key_start else None
+    return rot, neox, b, table, key_start, _random_layout(gen, b)
+
+
+def _compaction_case(gen: torch.Generator) -> tuple:
+    """``(rot, neox, batch, table, layout)`` for the compacted-sequence tests: heads 6 / 2,
+    head size 64, blocks of 16, random rotary fraction and style, random layout keys."""
+    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
+    b = make_batch(gen, mixed_requests(gen) + [(30, 40), (0, 70)], 6, 2, 64, 16)
+    table = _rope_table(256, rot, gen)
+    return rot, neox, b, table, _random_layout(gen, b)
+
+
+def _mixed_and_decode(gen: torch.Generator, num_heads: int, num_kv_heads: int, head_size: int,
+                      block_size: int, launch: dict) -> list[tuple]:
+    """``(batch, launch)``: a mixed batch, and a decode-only one with the small-tile launch."""
+    return [
+        (make_batch(gen, mixed_requests(gen) + [(20, 30)], num_heads, num_kv_heads, head_size,
+                    block_size, pad_tokens=2), launch),
+        (make_batch(gen, [(_randint(gen, 0, 60), 1) for _ in range(4)], num_heads, num_kv_heads,
+                    head_size, block_size), {**launch, "max_query_len": 1}),
+    ]  # fmt: skip
+
+
+def _triton_cases(cases: list[tuple]) -> pytest.MarkDecorator:
+    """Parametrize a rule-1 Triton test by ``(heads, kv heads, head size, rot, neox, block,
+    causal, key_start, position dtype, launch)`` cases."""
+    return pytest.mark.parametrize(
+        "num_heads,num_kv_heads,head_size,rot,neox,block_size,causal,with_key_start,kp_dtype,"
+        "launch", cases,
+        ids=[f"H{c[0]}-KV{c[1]}-D{c[2]}-R{c[3]}-B{c[5]}-{'causal' if c[6] else 'full'}"
+             f"{'-ks' if c[7] else ''}-{str(c[8])[6:]}" for c in cases])
+
+
 # (num_heads, num_kv_heads, head_size, rot, neox, block_size, causal, key_start, kp dtype, launch)
 LAYOUT_TRITON_CASES = [
     (6, 2, 64, 32, False, 16, True, True, torch.int32, {}),
@@ -848,40 +884,39 @@ LAYOUT_TRITON_CASES = [
 
 
 @needs_triton
-@pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_size,rot,neox,block_size,causal,with_key_start,kp_dtype,launch",
-    LAYOUT_TRITON_CASES,
-    ids=[f"H{c[0]}-KV{c[1]}-D{c[2]}-R{c[3]}-B{c[5]}-{'causal' if c[6] else 'full'}"
-         f"{'-ks' if c[7] else ''}-{str(c[8])[6:]}" for c in LAYOUT_TRITON_CASES],
-)  # fmt: skip
+@pytest.mark.parametrize("with_sink", [False, True], ids=["", "sink"])
+@_triton_cases(LAYOUT_TRITON_CASES)
 def test_layout_keys_triton_matches_reference(
     num_heads, num_kv_heads, head_size, rot, neox, block_size, causal, with_key_start, kp_dtype,
-    launch, seed,
+    launch, with_sink, seed,
 ) -> None:
     """The Triton kernel with key_positions equals the paged reference (random layouts, key
     tiles narrower and wider than a block, GQA, partial rotary, both position dtypes, with and
-    without key_start), and on a decode-only batch (the small-tile launch); each layout query's
-    output is its own value vector."""
+    without key_start, with and without sink keys and isolated queries), and on a decode-only
+    batch (the small-tile launch); each layout query's output is its own value vector."""
     gen = _gen(seed)
     table = _rope_table(256, rot, gen, random_table=bool(_randint(gen, 0, 1)))
     scale = head_size**-0.5
-    batches = [
-        (make_batch(gen, mixed_requests(gen) + [(20, 30)], num_heads, num_kv_heads, head_size,
-                    block_size, pad_tokens=2), launch),
-        (make_batch(gen, [(_randint(gen, 0, 60), 1) for _ in range(4)], num_heads, num_kv_heads,
-                    head_size, block_size), {**launch, "max_query_len": 1}),
-    ]  # fmt: skip
+    batches = _mixed_and_decode(gen, num_heads, num_kv_heads, head_size, block_size, launch)
     for b, kw in batches:
         key_start = _span_key_starts(gen, b, block_size) if with_key_start else None
         layout = _random_layout(gen, b)
-        kp = _key_positions(gen, layout, kp_dtype, poison=table.shape[0] - 1)
+        sinks: dict = {}
+        if with_sink:
+            kp, key_sink = _sink_positions(gen, layout, _random_sink(gen, layout), kp_dtype,
+                                           poison=table.shape[0] - 1)
+            sinks = {"key_sink": key_sink, "query_isolated": _random_isolated(gen, b)}
+        else:
+            kp = _key_positions(gen, layout, kp_dtype, poison=table.shape[0] - 1)
         ref = paged_attention_rope_ref(
             b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
-            table, rot, neox, scale, causal, key_start=key_start, key_positions=kp)  # fmt: skip
+            table, rot, neox, scale, causal, key_start=key_start, key_positions=kp,
+            **sinks)  # fmt: skip
         dev = b.to(DEVICE)
         out = run_triton(dev, table, rot, neox, causal,
                          key_start=None if key_start is None else key_start.to(DEVICE),
-                         key_positions=kp.to(DEVICE), **kw).cpu()  # fmt: skip
+                         key_positions=kp.to(DEVICE),
+                         **{k: v.to(DEVICE) for k, v in sinks.items()}, **kw).cpu()  # fmt: skip
         n = int(b.query_start_loc[-1])
         assert torch.isnan(out[n:]).all(), f"padding rows written (seed={seed})"
         what = f"triton vs ref with key_positions ({kw})"
@@ -899,12 +934,8 @@ def test_layout_keys_equal_attention_over_compacted_sequence(causal: bool, seed:
     computed by the plain dense formulation without key_positions. Layout keys and values are
     scaled up so that any leak shows."""
     gen = _gen(seed)
-    block_size, num_heads, num_kv_heads, head_size = 16, 6, 2, 64
-    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
-    b = make_batch(gen, mixed_requests(gen) + [(30, 40), (0, 70)], num_heads, num_kv_heads,
-                   head_size, block_size)
-    table = _rope_table(256, rot, gen)
-    layout = _random_layout(gen, b)
+    block_size, head_size = 16, 64
+    rot, neox, b, table, layout = _compaction_case(gen)
     _amplify_layout_keys(b, layout, block_size)
     kp = _key_positions(gen, layout)
     scale = head_size**-0.5
@@ -1019,11 +1050,7 @@ def test_sink_keys_paged_ref_matches_dense_ref(causal: bool, with_key_start: boo
     isolated, is bit-identical to no ``key_sink`` (the sink keys are then real keys), and the
     sink does change some output when a non-isolated query could see a sink key."""
     gen = _gen(seed)
-    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
-    b = make_batch(gen, mixed_requests(gen) + [(40, 50), (0, 90)], 6, 2, 64, 16)
-    table = _rope_table(256, rot, gen, random_table=bool(_randint(gen, 0, 1)))
-    key_start = _span_key_starts(gen, b, 16) if with_key_start else None
-    layout = _random_layout(gen, b)
+    rot, neox, b, table, key_start, layout = _random_layout_case(gen, with_key_start)
     sink = _random_sink(gen, layout)
     kp, key_sink = _sink_positions(gen, layout, sink)
     iso = _random_isolated(gen, b)
@@ -1076,12 +1103,8 @@ def test_sink_keys_seen_only_by_isolated_queries(causal: bool, seed: int) -> Non
     positions -- so dropping the sink changes its output. Layout and sink keys and values are
     scaled up so that a leak, or a missing sink, shows."""
     gen = _gen(seed)
-    block_size, num_heads, num_kv_heads, head_size = 16, 6, 2, 64
-    rot, neox = [64, 32][_randint(gen, 0, 1)], bool(_randint(gen, 0, 1))
-    b = make_batch(gen, mixed_requests(gen) + [(30, 40), (0, 70)], num_heads, num_kv_heads,
-                   head_size, block_size)
-    table = _rope_table(256, rot, gen)
-    layout = _random_layout(gen, b)
+    block_size, head_size = 16, 64
+    rot, neox, b, table, layout = _compaction_case(gen)
     sink = _random_sink(gen, layout)
     iso = _random_isolated(gen, b)
     # The last request (a 70-token prefill): a sink run at 5..9, then query 30 isolated and
@@ -1166,60 +1189,6 @@ def test_sink_arguments_are_checked() -> None:
                       (paged_attention_rope_triton, args)):
             with pytest.raises(ValueError, match=msg):
                 fn(*a, **kw)
-
-
-# (num_heads, num_kv_heads, head_size, rot, neox, block_size, causal, key_start, kp dtype, launch)
-SINK_TRITON_CASES = [
-    (6, 2, 64, 32, False, 16, True, True, torch.int32, {}),
-    (4, 4, 64, 64, True, 32, False, False, torch.int64, {"block_n": 16}),
-]
-
-
-@needs_triton
-@pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_size,rot,neox,block_size,causal,with_key_start,kp_dtype,launch",
-    SINK_TRITON_CASES,
-    ids=[f"H{c[0]}-KV{c[1]}-D{c[2]}-R{c[3]}-B{c[5]}-{'causal' if c[6] else 'full'}"
-         f"{'-ks' if c[7] else ''}-{str(c[8])[6:]}" for c in SINK_TRITON_CASES],
-)  # fmt: skip
-def test_sink_keys_triton_matches_reference(
-    num_heads, num_kv_heads, head_size, rot, neox, block_size, causal, with_key_start, kp_dtype,
-    launch, seed,
-) -> None:
-    """The Triton kernel with sink keys equals the paged reference (random layouts and sink
-    runs, random isolated queries, key tiles narrower and wider than a block, with and without
-    key_start), on a mixed batch and a decode-only one (the small-tile launch); layout queries
-    still see only themselves."""
-    gen = _gen(seed)
-    table = _rope_table(256, rot, gen, random_table=bool(_randint(gen, 0, 1)))
-    scale = head_size**-0.5
-    batches = [
-        (make_batch(gen, mixed_requests(gen) + [(20, 30)], num_heads, num_kv_heads, head_size,
-                    block_size, pad_tokens=2), launch),
-        (make_batch(gen, [(_randint(gen, 0, 60), 1) for _ in range(4)], num_heads, num_kv_heads,
-                    head_size, block_size), {**launch, "max_query_len": 1}),
-    ]  # fmt: skip
-    for b, kw in batches:
-        key_start = _span_key_starts(gen, b, block_size) if with_key_start else None
-        layout = _random_layout(gen, b)
-        sink = _random_sink(gen, layout)
-        kp, key_sink = _sink_positions(gen, layout, sink, kp_dtype, poison=table.shape[0] - 1)
-        iso = _random_isolated(gen, b)
-        ref = paged_attention_rope_ref(
-            b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens, b.query_start_loc,
-            table, rot, neox, scale, causal, key_start=key_start, key_positions=kp,
-            key_sink=key_sink, query_isolated=iso)  # fmt: skip
-        dev = b.to(DEVICE)
-        out = run_triton(dev, table, rot, neox, causal,
-                         key_start=None if key_start is None else key_start.to(DEVICE),
-                         key_positions=kp.to(DEVICE), key_sink=key_sink.to(DEVICE),
-                         query_isolated=iso.to(DEVICE), **kw).cpu()  # fmt: skip
-        n = int(b.query_start_loc[-1])
-        assert torch.isnan(out[n:]).all(), f"padding rows written (seed={seed})"
-        assert_close(out[:n], ref[:n], 1e-3, seed, f"triton vs ref with sink keys ({kw})")
-        for row, i, p in _layout_rows(b, layout):
-            want = b.values[i][p].repeat_interleave(num_heads // num_kv_heads, dim=0)
-            assert torch.equal(out[row], want), f"layout query row {row} (seed={seed})"
 
 
 # ------------------------------------------------------------------------------------------------
