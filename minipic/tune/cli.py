@@ -233,7 +233,8 @@ def _builder(model_dir: str, settings: Any) -> Any:
     span = span_config_for_model(model_dir, settings.block_size)
     return PromptBuilder.from_pretrained(model_dir, block_size=settings.block_size,
                                          ssep_id=span.ssep_id, pdep_id=span.pdep_id,
-                                         pad_id=span.pad_id, max_model_len=settings.max_model_len)
+                                         pad_id=span.pad_id, max_model_len=settings.max_model_len,
+                                         sink_ids=span.sink_ids)
 
 
 def _save_merged(student: Any, base_dir: str, folder: Path, settings: Any, device: str,

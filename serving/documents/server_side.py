@@ -38,7 +38,8 @@ def layout_builder(model_dir: str, span_config: SpanConfig, max_model_len: int) 
     """The prompt builder the SDK would make for this server (``Orchestrator.connect``)."""
     return PromptBuilder.from_pretrained(
         model_dir, block_size=span_config.block_size, ssep_id=span_config.ssep_id,
-        pdep_id=span_config.pdep_id, pad_id=span_config.pad_id, max_model_len=max_model_len)
+        pdep_id=span_config.pdep_id, pad_id=span_config.pad_id, max_model_len=max_model_len,
+        sink_ids=span_config.sink_ids)
 
 
 def layout(builder: PromptBuilder, request: DocumentsRequest) -> BuiltPrompt:
