@@ -108,20 +108,24 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def paired(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per mode both runs have: mean and bootstrap CI of NEW − OLD over their common items."""
+def paired(old: dict[str, Any], new: dict[str, Any],
+           modes: list[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+    """Per mode both runs have (or per ``(old mode, new mode)`` of ``modes``): mean and
+    bootstrap CI of NEW − OLD over their common items."""
     from minipic.eval.metrics import bootstrap_ci, bootstrap_indices
 
     before = {it["id"]: it for it in old["items"]}
     common = [it for it in new["items"] if it["id"] in before]
     out = []
-    for mode in new["summary"]["modes"]:
-        pairs = [(before[it["id"]]["modes"].get(mode), it["modes"].get(mode)) for it in common]
+    for old_mode, mode in modes or [(m, m) for m in new["summary"]["modes"]]:
+        pairs = [(before[it["id"]]["modes"].get(old_mode), it["modes"].get(mode))
+                 for it in common]
         pairs = [(a, b) for a, b in pairs if a and b and "kl_mean" in a and "kl_mean" in b]
         if not pairs:
             continue
         idx = bootstrap_indices(len(pairs))
-        row: dict[str, Any] = {"mode": mode, "n": len(pairs)}
+        name = mode if old_mode == mode else f"{mode} − {old_mode}"
+        row: dict[str, Any] = {"mode": name, "n": len(pairs)}
         for key in ("kl_mean", "top1_agreement"):
             mean, low, high = bootstrap_ci([b[key] - a[key] for a, b in pairs], indices=idx)
             row[key] = {"mean": mean, "ci95": [low, high]}
@@ -186,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                              "several items at once)")
     parser.add_argument("--paired", default=None, metavar="OLD:NEW",
                         help="two run labels on the same items: per-item paired NEW - OLD")
+    parser.add_argument("--mode-pair", action="append", default=[], metavar="RUN:OLD>NEW",
+                        help="two modes of one run, per item: NEW - OLD (e.g. "
+                             "sink:block_attention/no-sink>block_attention); repeatable")
     args = parser.parse_args(argv)
     rows = []
     reports: dict[str, dict[str, Any]] = {}
@@ -211,6 +218,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--paired {args.paired!r}: expected OLD:NEW, two of the run labels")
         report["paired"] = {"old": old, "new": new, "rows": paired(reports[old], reports[new])}
         text += "\n\n" + paired_table(old, new, report["paired"]["rows"])
+    for spec in args.mode_pair:
+        run, _, pair = spec.partition(":")
+        old_mode, sep, new_mode = pair.partition(">")
+        if run not in reports or not sep:
+            parser.error(f"--mode-pair {spec!r}: expected RUN:OLD_MODE>NEW_MODE")
+        rows_ = paired(reports[run], reports[run], [(old_mode, new_mode)])
+        report.setdefault("mode_pairs", []).extend({"run": run, **r} for r in rows_)
+        text += "\n\n" + paired_table(f"{run}:{old_mode}", f"{run}:{new_mode}", rows_)
     (args.out / "frontier.json").write_text(json.dumps(report, indent=1))
     (args.out / "frontier.md").write_text(text + "\n")
     plot(rows, front, args.out / "frontier.png")

@@ -181,7 +181,7 @@ class EngineSettings(BaseModel):
         minipic: dict[str, Any] = {"features": sorted(self.features),
                                    "plugin_code": plugin_code_hash()}
         if self.span_config is not None:  # known once resolved() ran (always before a start)
-            minipic["span_config"] = self.span_config.model_dump()
+            minipic["span_config"] = self.span_config.model_dump(mode="json")
         if "ckpt" in self.features:
             minipic["ckpt"] = (self.ckpt or CheckpointConfig()).model_dump()
         return {ADDITIONAL_CONFIG_KEY: minipic}

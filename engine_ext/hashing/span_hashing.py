@@ -253,11 +253,11 @@ def check_supported(vllm_config: Any, config: SpanConfig) -> None:
     """Refuse configurations where span hashes would produce false hits or never hit, or where
     vLLM's config (what its compile cache keys on) does not carry the span config we run."""
     minipic = (getattr(vllm_config, "additional_config", None) or {}).get("minipic")
-    if minipic is not None and minipic.get("span_config", config.model_dump()) != (
-            config.model_dump()):
+    ours = config.model_dump(mode="json")  # as it reads after a trip through JSON (serve)
+    if minipic is not None and minipic.get("span_config", ours) != ours:
         raise EngineIntegrationError(
             f"vLLM's additional_config says span_config={minipic.get('span_config')} but the "
-            f"minipic plugin runs {config.model_dump()}; start engines through minipic "
+            f"minipic plugin runs {ours}; start engines through minipic "
             f"(EngineSettings / minipic serve) so both come from one place")
     compiled = not getattr(vllm_config.model_config, "enforce_eager", True)
     if minipic is None and compiled:

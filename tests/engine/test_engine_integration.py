@@ -122,7 +122,7 @@ def test_span_config_must_travel_in_vllm_config() -> None:
 
     settings = EngineSettings(model="tiny-llama", span_config=CONFIG).resolved()
     extra = settings.additional_config()
-    assert extra["minipic"]["span_config"] == CONFIG.model_dump()
+    assert extra["minipic"]["span_config"] == CONFIG.model_dump(mode="json")
     assert len(extra["minipic"]["plugin_code"]) == 16
     argv = settings.server_argv("127.0.0.1", 1, "m")
     assert argv[argv.index("--additional-config") + 1] == json.dumps(extra)

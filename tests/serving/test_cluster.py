@@ -49,7 +49,7 @@ def builder(cluster: ServerProcess) -> Any:
 
     b = PromptBuilder.from_pretrained(resolve_model("tiny-llama"), block_size=BLOCK)
     cfg = httpx.get(cluster.base_url + "/minipic/config", timeout=30).json()
-    assert cfg["span_config"] == b.span_config.model_dump()
+    assert cfg["span_config"] == b.span_config.model_dump(mode="json")
     assert cfg["cluster"]["replicas"] == 2 and cfg["cluster"]["router"] == "span"
     return b
 

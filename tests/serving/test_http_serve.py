@@ -47,7 +47,7 @@ def test_config_endpoint_matches_client_builder(smol_server):
     cfg = httpx.get(smol_server.base_url + "/minipic/config", timeout=10).json()
     assert cfg["enabled"] is True
     assert set(cfg["features"]) >= {"hash"}
-    assert cfg["span_config"] == builder.span_config.model_dump()
+    assert cfg["span_config"] == builder.span_config.model_dump(mode="json")
 
 
 def test_http_and_in_process_see_same_cached_tokens(smol_server, engines):
