@@ -67,8 +67,11 @@ def with_ttft_from(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
     for r in rows:
         timed = s["modes"].get(r["mode"])
         ms = full_ms if r["mode"] == "prefix" else timed["ttft_p50_ms"] if timed else None
-        if ms is None:
-            raise SystemExit(f"--ttft-from has no row for mode {r['mode']!r}")
+        if ms is None:  # not timed: no TTFT rather than one measured under other load
+            r.update(ttft_ms=float("nan"), ttft_vs_full=float("nan"),
+                     ttft_vs_block=float("nan"), ttft_source="not timed")
+            r["goal"]["ttft_vs_full"] = r["goal"]["ttft_vs_block"] = False
+            continue
         r.update(ttft_ms=ms, full_ttft_ms=full_ms, ttft_vs_full=ms / full_ms,
                  ttft_vs_block=ms / block_ms, ttft_source="timing run")
         r["goal"]["ttft_vs_full"] = r["ttft_vs_full"] <= GOAL["ttft_vs_full"]
@@ -78,6 +81,7 @@ def with_ttft_from(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
 def frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows no other row beats on both KL and TTFT ratio (lower is better on both)."""
     keep = []
+    rows = [r for r in rows if r["ttft_vs_full"] == r["ttft_vs_full"]]  # timed rows (no NaN)
     for r in rows:
         if not any(o is not r and o["kl"] <= r["kl"] and o["ttft_vs_full"] <= r["ttft_vs_full"]
                    and (o["kl"], o["ttft_vs_full"]) != (r["kl"], r["ttft_vs_full"])
@@ -182,7 +186,9 @@ def plot(rows: list[dict[str, Any]], front: list[dict[str, Any]], path: Path) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="LABEL=path/to/eval.json")
+    parser.add_argument("runs", nargs="+",
+                        help="LABEL=path/to/eval.json; ~LABEL=...: a run used only for "
+                             "--paired (no rows: its TTFTs are another code's)")
     parser.add_argument("--out", type=Path, default=Path("results/fidelity"))
     parser.add_argument("--ttft-from", type=Path, default=None,
                         help="an eval.json run with --concurrency 1 whose TTFTs replace the "
@@ -200,8 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         label, sep, path = spec.partition("=")
         if not sep or not Path(path).is_file():
             parser.error(f"{spec!r}: expected LABEL=path/to/eval.json (an existing file)")
+        paired_only = label.startswith("~")
+        label = label.lstrip("~")
         reports[label] = json.loads(Path(path).read_text())
-        rows += rows_of(label, reports[label])
+        if not paired_only:
+            rows += rows_of(label, reports[label])
     if args.ttft_from is not None:
         if not args.ttft_from.is_file():
             parser.error(f"--ttft-from {args.ttft_from}: no such file")
