@@ -49,11 +49,12 @@ Rotate = Callable[[torch.Tensor, torch.Tensor], None]
 class PreparedRow:
     """One kernel row of a masked request, ready for any layer of the group.
 
-    Its queries split in two: the **plain** ones (real tokens outside any span: the question,
+    Its queries split in three: the **plain** ones (real tokens outside any span: the question,
     the answer being generated) see exactly the request's real keys up to themselves, so they
     attend over a compact copy of those keys (:class:`KeptKeys`, kept from one step to the next);
-    the **others** (a span's tokens, its sink, layout tokens) attend over the row's whole key
-    range with the mask.
+    a **layout** query sees only itself, so its output is its own value (what attention over
+    that one key gives, exactly); the **others** (a span's tokens, its sink) attend over the
+    row's whole key range with the mask.
     """
 
     queries: torch.Tensor  # [q] int64: the row's query rows in the step
@@ -65,7 +66,9 @@ class PreparedRow:
     other: torch.Tensor  # [q_other] int64: indices (into the row's queries) of the others
     plain: torch.Tensor  # [q_plain] int64: indices of the plain queries
     real_keys: torch.Tensor  # [m] int64: the real keys (not layout, not sink), in order
-    plain_sees: torch.Tensor  # [q_plain] int64: how many real keys each plain query sees
+    plain_mask: torch.Tensor | None  # [q_plain, m] bool: the real keys each sees (None: all)
+    layout: torch.Tensor  # [q_layout] int64: indices of the layout queries
+    layout_keys: torch.Tensor  # [q_layout] int64: their own keys
     request: str | None  # the request, when it has this one row in the step (keys kept)
     home: torch.Tensor  # [ceil(n / bs)] int64: the home slot of each block
 
@@ -95,7 +98,11 @@ def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int
         isolated = starts > 0 if batch.query_isolated is None else batch.query_isolated[q0:q1]
         real = (logical >= 0) & ~sink
         is_plain = real[q_index] & ~isolated & (starts == 0)
-        other = (~is_plain).nonzero().flatten()
+        is_layout = logical[q_index] < 0
+        other = (~is_plain & ~is_layout).nonzero().flatten()
+        sees = torch.cumsum(real.long(), 0)[q_index[is_plain]]
+        real_keys = real.nonzero().flatten()
+        every = bool((sees == real_keys.numel()).all())
         key_start = None if batch.key_start is None else starts[other]
         rows.append(PreparedRow(
             queries=batch.rows[q0:q1], blocks=blocks, keys=seq_len,
@@ -103,9 +110,9 @@ def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int
             query_moves=batch.query_shift[q0:q1],
             mask=_mask(q_index[other], logical, key_start, sink, isolated[other])
             if other.numel() else None,
-            other=other, plain=is_plain.nonzero().flatten(),
-            real_keys=real.nonzero().flatten(),
-            plain_sees=torch.cumsum(real.long(), 0)[q_index[is_plain]],
+            other=other, plain=is_plain.nonzero().flatten(), real_keys=real_keys,
+            plain_mask=None if every else torch.arange(real_keys.numel())[None, :] < sees[:, None],
+            layout=is_layout.nonzero().flatten(), layout_keys=q_index[is_layout],
             request=batch.requests[r] if batch.requests else None, home=home))
     batch.derived[_PREPARED] = rows
     return rows
@@ -220,6 +227,12 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
         for gone in [r for r in kept if r not in step]:
             del kept[gone]
     for row in rows:
+        if row.layout.numel():  # a layout query sees only itself: its own value
+            pages = kv_cache.index_select(0, row.blocks[row.layout_keys // bs])
+            own = token_rows(layout, pages)[1].view(-1, bs, kv_heads, d)
+            own = own[torch.arange(row.layout.numel()), row.layout_keys % bs]
+            output[row.queries[row.layout]] = own.repeat_interleave(
+                heads // kv_heads, dim=1).to(output.dtype)
         if row.other.numel():
             keys, values = token_rows(layout, kv_cache.index_select(0, row.blocks))
             k = keys[: row.keys].contiguous()
@@ -236,14 +249,13 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
             kept.pop(row.request, None)
             if sum(c.nbytes for c in kept.values()) + copy.nbytes <= kept_cap_bytes:
                 kept[row.request] = copy
-        sees = torch.arange(copy.count)[None, :] < row.plain_sees[:, None]
-        _attend_rows(query, row, row.plain, copy.k[:copy.count], copy.v[:copy.count], sees,
-                     rotate, scale, heads, output)
+        _attend_rows(query, row, row.plain, copy.k[:copy.count], copy.v[:copy.count],
+                     row.plain_mask, rotate, scale, heads, output)
 
 
 def _attend_rows(query: torch.Tensor, row: PreparedRow, which: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, mask: torch.Tensor, rotate: Rotate, scale: float, heads: int,
-                 output: torch.Tensor) -> None:
+                 v: torch.Tensor, mask: torch.Tensor | None, rotate: Rotate, scale: float,
+                 heads: int, output: torch.Tensor) -> None:
     """``output`` of the row's queries ``which`` over keys ``k`` (moved) and values ``v``."""
     rows = row.queries[which]
     q = query[rows]  # a fresh tensor
@@ -251,6 +263,8 @@ def _attend_rows(query: torch.Tensor, row: PreparedRow, which: torch.Tensor, k: 
     kv_heads, d = k.shape[1], k.shape[2]
     q = q.float().view(-1, kv_heads, heads // kv_heads, d)
     scores = torch.einsum("thgd,jhd->hgtj", q, k.float()) * scale
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgtj,jhd->thgd", probs, v.float())
     output[rows] = out.reshape(-1, heads, d).to(output.dtype)
