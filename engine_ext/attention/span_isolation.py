@@ -34,11 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minipic.engine_ext.attention.span_segments import (
-    block_isolated,
-    block_key_starts,
-    span_sinks,
-)
+from minipic.engine_ext.attention.span_segments import block_segments, span_sinks
 from minipic.engine_ext.holes import worker_positions
 from minipic.span_contract.errors import EngineIntegrationError
 from minipic.span_contract.span_config import SpanConfig, spans_opted_in
@@ -158,9 +154,8 @@ def _row_view(tokens: np.ndarray, prompt: np.ndarray, layout: np.ndarray,
     real = (~layout & ~sink).astype(np.int64)
     before = np.cumsum(real) - real  # real tokens before each token
     rope_at = np.where(sink, before + sink_index, before + shift)
-    firsts = tokens[::block_size]
-    starts = block_key_starts(firsts, config.ssep_id, config.pdep_id, block_size)
-    isolated = block_isolated(firsts, config.ssep_id, config.pdep_id)
+    starts, isolated = block_segments(tokens[::block_size], config.ssep_id, config.pdep_id,
+                                      block_size)
     blocks = positions // block_size
     return _RowView(key_start=starts[blocks], query_shift=rope_at[positions] - positions,
                     key_positions=np.where(layout, -1, rope_at), sink=sink,

@@ -33,14 +33,16 @@ def block_key_starts(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int,
     ``block_first_tokens[b]`` is token ``b * block_size`` of the request. Returns int64 of the
     same length: the first key a query inside block ``b`` may attend to.
     """
+    return block_segments(block_first_tokens, ssep_id, pdep_id, block_size)[0]
+
+
+def block_segments(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int,
+                   block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(key_start, isolated)`` per block: :func:`block_key_starts`, and whether the block's
+    tokens belong to an SSEP-led segment (they attend only within it; ``key_start`` alone
+    cannot say so for a segment that starts at token 0)."""
     led_by_ssep, last_marker = _segments(block_first_tokens, ssep_id, pdep_id)
-    return np.where(led_by_ssep, last_marker * block_size, 0)
-
-
-def block_isolated(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int) -> np.ndarray:
-    """Bool per block: its tokens belong to an SSEP-led segment (they attend only within it;
-    ``key_start`` alone cannot say so for a segment that starts at token 0)."""
-    return _segments(block_first_tokens, ssep_id, pdep_id)[0]
+    return np.where(led_by_ssep, last_marker * block_size, 0), led_by_ssep
 
 
 def _segments(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int
