@@ -526,7 +526,8 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         # the kept keys live in the key shadow's share of the memory (the shadow itself idles:
         # every request that reads a span off home holds layout tokens, so it comes here)
         cap = int(kv_cache.numel() * kv_cache.element_size() * pool_share())
-        masked_rows.attend(rows, query, pages, layout, rotate, self.scale, output, kept, cap)
+        masked_rows.attend(rows, query, pages, layout, rotate, _LayerKernel(self, layer, kv_cache.dtype),
+                           self.scale, output, kept, cap)
 
     def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, block_table: torch.Tensor,
@@ -564,6 +565,39 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
             )
             output[batch.rows] = sub_out
         return output
+
+
+class _LayerKernel:
+    """vLLM's C++ writer and attention kernel bound to one layer (``masked_rows.PagedKernel``):
+    how the masked rows' kept copy is written and read, the same ops as the cache's."""
+
+    def __init__(self, impl: MinipicCPUAttentionImpl, layer: Any, dtype: torch.dtype) -> None:
+        self.impl, self.layer, self.dtype = impl, layer, dtype
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        key_pages, value_pages = pages.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys, values, key_pages, value_pages, slots,
+                                       self.layer.isa, k_scale=self.layer._k_scale_float,
+                                       v_scale=self.layer._v_scale_float,
+                                       kv_cache_dtype=self.impl.kv_cache_dtype)
+
+    def schedule(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        impl = self.impl
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.numel(), num_heads=impl.num_heads,
+            num_kv_heads=impl.num_kv_heads, head_dim=impl.head_size, seq_lens=seq_lens,
+            dtype=self.dtype,
+            query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
+            isa=self.layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=impl.kv_cache_dtype)
+
+    def attend(self, query: torch.Tensor, pages: torch.Tensor, query_start_loc: torch.Tensor,
+               seq_lens: torch.Tensor, block_table: torch.Tensor, scheduler: torch.Tensor,
+               out: torch.Tensor) -> None:
+        key_pages, value_pages = pages.chunk(2, dim=2)
+        self.impl._attend(self.layer, query, key_pages, value_pages, out, query_start_loc,
+                          seq_lens, block_table, scheduler, True, None)
 
 
 def move_keys(layout: cpu_kv_layout.PageLayout, key_cache: torch.Tensor, fill: RotatedFill,

@@ -1,23 +1,27 @@
-"""Rule 1 on the CPU: attention for the requests that hold layout tokens, with a key mask.
+"""Rule 1 on the CPU: attention for the requests that hold layout tokens.
 
 docs/design.md §2: a span request's SSEP, PDEP and PAD are attended by no query but their own
-and take no RoPE position. vLLM's C++ CPU kernel attends every key of a row's range and takes
-no mask, so these rows (``step_plan.MaskedBatch``) are attended here, with
-``torch.nn.functional.scaled_dot_product_attention`` and a boolean mask.
+and take no RoPE position; a span's sink only by its own span. vLLM's C++ CPU kernel attends
+every key of a row's range and takes no mask, so these rows (``step_plan.MaskedBatch``) are
+attended here. A row's queries split three ways (:class:`PreparedRow`): the **plain** ones (the
+question, the answer being decoded) through vLLM's kernel over a kept copy of the request's real
+keys (:class:`KeptKeys`); a **layout** query gets its own value; the **others** (a span's own
+tokens, computed in a final) with a boolean mask in torch.
 
 Why the work is split the way it is: everything that depends only on the step — the blocks a row
 reads in table order, the move of each key from its home position (where the cache holds it
 rotated) to its logical one, each query's move from the physical position the model rotated it
-at, and the mask — is the same in every layer, so :func:`prepare` builds it once per step (the
-first layer), and a layer does only its own part: one copy of the row's pages, keys and values
-brought to token order through the page layout vLLM's writer uses (``cpu_kv_layout``), one call
-of the model's rotary op on each (moves by an offset table, as the key shadow does,
-``cpu_backend.move_keys``), and attention as two ``einsum`` and a softmax in fp32. Measured per
-layer on the 2-core box (960 keys, SmolLM2 heads): gathering pages then reordering them 0.13 ms
-against 4.0 ms for one element-wise gather; ``einsum`` 0.10 ms against 0.42 ms for
-``scaled_dot_product_attention`` with a boolean mask and grouped heads at one query. The
-arithmetic is ``kernels.paged_attention_rope_ref`` with ``key_positions``, which the tests hold
-the engine to.
+at, the mask, the kernel's rows and indices — is the same in every layer, so :func:`prepare`
+and the first layer build it once per step (``PreparedRow.derived``), and a layer does only its
+own part: one copy of the row's pages, keys and values brought to token order through the page
+layout vLLM's writer uses (``cpu_kv_layout``), one call of the model's rotary op on each (moves
+by an offset table, as the key shadow does, ``cpu_backend.move_keys``), and, for the others,
+attention as two ``einsum`` and a softmax in fp32. Measured per layer on the 2-core box (960
+keys, SmolLM2 heads): gathering pages then reordering them 0.13 ms against 4.0 ms for one
+element-wise gather (for one decoded key the element-wise gather is the cheaper: a few hundred
+elements); ``einsum`` 0.10 ms against 0.42 ms for ``scaled_dot_product_attention`` with a
+boolean mask and grouped heads at one query. The arithmetic is ``kernels.paged_attention_rope_ref``
+with ``key_positions``, which the tests hold the engine to.
 
 Why a request's keys are kept between steps (:class:`KeptKeys`): the queries that decode an
 answer (and the question's) see every real key of their request and nothing else, so they attend
@@ -26,12 +30,20 @@ its new keys instead of reading and moving the whole prompt again in every layer
 in the memory configured for the key shadow (``MINIPIC_ROTATED_POOL_SHARE`` of a layer's KV
 bytes), which rule 1 leaves idle; a request it cannot hold is built afresh each step, with the
 same result.
+
+Why the copy is kept in vLLM's own page layout: with layout keys and sinks left out, what a plain
+query sees is a causal prefix of the copy, which is exactly what vLLM's C++ kernel computes
+without a mask. So the copy is written by vLLM's writer into pages of its own and the plain
+queries are attended by vLLM's kernel on them (:class:`PagedKernel`): one call per request and
+layer instead of a dozen torch ops. Measured on the 2-core box at one decoding query over 1,100
+keys: 0.023 ms against 0.109 ms for the ``einsum`` path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -43,6 +55,24 @@ _PREPARED = "masked_rows"  # key of the per-step preparation in MaskedBatch.deri
 # rotate(x [n, heads, D] in place, offsets [n]): the model's rotary op moving each row by its
 # offset (positions into an offset table)
 Rotate = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class PagedKernel(Protocol):
+    """vLLM's C++ CPU kernels, bound to a layer (its ISA, scale): what the kept copy is written
+    and attended with (``cpu_backend`` provides them)."""
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """Tokens ``[n, kv_heads, D]`` into ``pages`` ``[P, kv_heads, 2 * bs, D]`` at
+        ``slots`` (page * bs + offset)."""
+
+    def attend(self, query: torch.Tensor, pages: torch.Tensor, query_start_loc: torch.Tensor,
+               seq_lens: torch.Tensor, block_table: torch.Tensor, scheduler: torch.Tensor,
+               out: torch.Tensor) -> None:
+        """Causal attention of ``query`` rows over ``pages`` (no mask), into ``out``."""
+
+    def schedule(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """The kernel's scheduler metadata for these rows (the same in every layer)."""
 
 
 @dataclass
@@ -66,11 +96,18 @@ class PreparedRow:
     other: torch.Tensor  # [q_other] int64: indices (into the row's queries) of the others
     plain: torch.Tensor  # [q_plain] int64: indices of the plain queries
     real_keys: torch.Tensor  # [m] int64: the real keys (not layout, not sink), in order
-    plain_mask: torch.Tensor | None  # [q_plain, m] bool: the real keys each sees (None: all)
     layout: torch.Tensor  # [q_layout] int64: indices of the layout queries
     layout_keys: torch.Tensor  # [q_layout] int64: their own keys
     request: str | None  # the request, when it has this one row in the step (keys kept)
     home: torch.Tensor  # [ceil(n / bs)] int64: the home slot of each block
+    # the plain queries as the C++ kernel's rows over the kept copy: runs of consecutive real
+    # keys; a run's keys are the copy's first ``seq_len`` (its last query's own key included)
+    plain_qsl: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
+    plain_seq_lens: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(0, dtype=torch.int32))
+    # what every layer's kept copy derives alike (indices, the kernel's metadata), built by the
+    # first: every layer's copy of a request holds the same keys, so the others find it here
+    derived: dict = field(default_factory=dict)
 
 
 def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int
@@ -102,7 +139,7 @@ def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int
         other = (~is_plain & ~is_layout).nonzero().flatten()
         sees = torch.cumsum(real.long(), 0)[q_index[is_plain]]
         real_keys = real.nonzero().flatten()
-        every = bool((sees == real_keys.numel()).all())
+        qsl_runs, seq_lens_runs = _runs(sees - 1)
         key_start = None if batch.key_start is None else starts[other]
         rows.append(PreparedRow(
             queries=batch.rows[q0:q1], blocks=blocks, keys=seq_len,
@@ -111,11 +148,24 @@ def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int
             mask=_mask(q_index[other], logical, key_start, sink, isolated[other])
             if other.numel() else None,
             other=other, plain=is_plain.nonzero().flatten(), real_keys=real_keys,
-            plain_mask=None if every else torch.arange(real_keys.numel())[None, :] < sees[:, None],
             layout=is_layout.nonzero().flatten(), layout_keys=q_index[is_layout],
-            request=batch.requests[r] if batch.requests else None, home=home))
+            request=batch.requests[r] if batch.requests else None, home=home,
+            plain_qsl=qsl_runs, plain_seq_lens=seq_lens_runs))
     batch.derived[_PREPARED] = rows
     return rows
+
+
+def _runs(own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(query_start_loc, seq_lens)`` int32 of the plain queries as kernel rows: ``own`` is
+    each one's own key in the kept copy (increasing); a row is a run of consecutive keys, so the
+    kernel's causal rule (query ``t`` of a row sees keys ``0 .. seq_len - len + t``) is exactly
+    "every real key up to itself"."""
+    if not own.numel():
+        return torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    ends = torch.cat([(own[1:] != own[:-1] + 1).nonzero().flatten(),
+                      torch.tensor([own.numel() - 1])])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), ends + 1])
+    return qsl.to(torch.int32), (own[ends] + 1).to(torch.int32)
 
 
 def _mask(q_index: torch.Tensor, key_positions: torch.Tensor, key_start: torch.Tensor | None,
@@ -155,20 +205,19 @@ def token_rows(layout: PageLayout, pages: torch.Tensor
 
 class KeptKeys:
     """One request's real keys (moved to their logical positions) and values, in token order,
-    in one layer: what its plain queries attend over, kept from one step to the next so that a
-    decode step reads, moves and appends only its new keys.
+    in pages of vLLM's layout, in one layer: what its plain queries attend over, kept from one
+    step to the next so that a decode step reads, moves and appends only its new keys.
 
     Why it is exact: each key is read from the cache and moved by the same op, with the same
-    offset, whether it was appended now or steps ago (the op is row by row), so the copy equals
-    the one a fresh build would make, and a plain query's answer does not depend on whether the
-    copy was kept (evicted, preempted, over budget: it is built again). ``blocks`` and ``home``
-    say which cache content it was built from; a request whose table or homes changed gets a
-    new copy.
+    offset, whether it was appended now or steps ago (the op is row by row), and written by the
+    same writer, so the copy equals the one a fresh build would make, and a plain query's answer
+    does not depend on whether the copy was kept (evicted, preempted, over budget: it is built
+    again). ``blocks`` and ``home`` say which cache content it was built from; a request whose
+    table or homes changed gets a new copy.
     """
 
-    def __init__(self, heads: int, d: int, dtype: torch.dtype) -> None:
-        self.k = torch.empty(0, heads, d, dtype=dtype)
-        self.v = torch.empty(0, heads, d, dtype=dtype)
+    def __init__(self, heads: int, d: int, block_size: int, dtype: torch.dtype) -> None:
+        self.pages = torch.empty(0, heads, 2 * block_size, d, dtype=dtype)
         self.count = 0  # real keys held
         self.covered = 0  # keys 0 .. covered - 1 of the request were looked at
         self.blocks = torch.empty(0, dtype=torch.long)
@@ -176,46 +225,97 @@ class KeptKeys:
 
     @property
     def nbytes(self) -> int:
-        return (self.k.numel() + self.v.numel()) * self.k.element_size()
+        return self.pages.numel() * self.pages.element_size()
 
     def valid_for(self, row: PreparedRow, block_size: int) -> bool:
-        full = self.covered // block_size + bool(self.covered % block_size)
-        return (self.covered <= row.keys and self.blocks.numel() == full
-                and torch.equal(self.blocks, row.blocks[:full])
-                and torch.equal(self.home, row.home[:full]))
+        # every layer's copy of the request shares one (blocks, home) pair: asked once a step
+        key = ("valid", id(self.blocks), id(self.home), self.covered)
+        if key not in row.derived:
+            full = self.covered // block_size + bool(self.covered % block_size)
+            row.derived[key] = (self.covered <= row.keys and self.blocks.numel() == full
+                                and torch.equal(self.blocks, row.blocks[:full])
+                                and torch.equal(self.home, row.home[:full]))
+        return row.derived[key]
 
     def extend(self, row: PreparedRow, kv_cache: torch.Tensor, layout: PageLayout,
-               rotate: Rotate, block_size: int) -> None:
+               rotate: Rotate, kernel: PagedKernel, block_size: int) -> None:
         """Append the row's real keys from ``covered`` on."""
-        first = self.covered // block_size  # the first block holding a key not looked at
-        new = row.real_keys[row.real_keys >= self.covered]
+        key = ("extend", self.covered, self.count)
+        if key not in row.derived:
+            row.derived[key] = _new_keys(row, self.covered, self.count, block_size)
+        new, first, moves, slots, at = row.derived[key]
         if new.numel():
-            keys, values = token_rows(layout, kv_cache.index_select(0, row.blocks[first:]))
-            local = new - first * block_size
-            k = keys.index_select(0, local)
-            rotate(k, row.key_moves[new])
+            picked = layout.tokens_at(kv_cache, *at)
+            if picked is not None:
+                k, v = picked
+            else:  # whole pages, then the rows
+                keys, values = token_rows(layout, kv_cache.index_select(0, row.blocks[first:]))
+                local = new - first * block_size
+                k, v = keys.index_select(0, local), values.index_select(0, local)
+            rotate(k, moves)
             need = self.count + new.numel()
-            if need > self.k.shape[0]:  # room for what follows: decode appends one a step
-                grow = max(need, 2 * self.k.shape[0], 64)
-                self.k = _grown(self.k, grow, self.count)
-                self.v = _grown(self.v, grow, self.count)
-            self.k[self.count:need] = k
-            self.v[self.count:need] = values.index_select(0, local)
+            pages = -(-need // block_size)
+            if pages > self.pages.shape[0]:  # room for what follows: decode appends one a step
+                # zeros, as vLLM's own cache: the kernel reads a page's unwritten tail in whole
+                # tiles, and a 0 weight times garbage (NaN) is NaN
+                grown = torch.zeros(max(pages, 2 * self.pages.shape[0], 2),
+                                    *self.pages.shape[1:], dtype=self.pages.dtype)
+                used = -(-self.count // block_size)
+                grown[:used] = self.pages[:used]
+                self.pages = grown
+            kernel.write(k, v, self.pages, slots)
             self.count = need
         self.covered = row.keys
-        full = -(-row.keys // block_size)
-        self.blocks, self.home = row.blocks[:full].clone(), row.home[:full].clone()
+        if "state" not in row.derived:  # one pair for every layer's copy (never written to)
+            full = -(-row.keys // block_size)
+            row.derived["state"] = (row.blocks[:full].clone(), row.home[:full].clone())
+        self.blocks, self.home = row.derived["state"]
+
+    def attend(self, query: torch.Tensor, row: PreparedRow, rotate: Rotate, kernel: PagedKernel,
+               output: torch.Tensor) -> None:
+        """``output`` of the row's plain queries: vLLM's kernel over the copy's pages."""
+        key = ("attend", self.pages.shape[0])
+        if key not in row.derived:
+            table = torch.arange(self.pages.shape[0], dtype=torch.int32).expand(
+                row.plain_seq_lens.numel(), -1)
+            rows = row.queries[row.plain]
+            # consecutive rows (a decode step, a question): read and written as slices
+            first, last = int(rows[0]), int(rows[-1]) + 1
+            span = (first, last) if last - first == rows.numel() and bool(
+                (rows[1:] > rows[:-1]).all()) else None
+            row.derived[key] = (rows, span, row.query_moves[row.plain], table,
+                                kernel.schedule(row.plain_qsl, row.plain_seq_lens))
+        rows, span, moves, table, scheduler = row.derived[key]
+        q = (query[rows] if span is None  # a fresh tensor either way
+             else query[span[0]:span[1]].clone(memory_format=torch.contiguous_format))
+        rotate(q, moves)
+        out = None if span is None else output[span[0]:span[1]]
+        if out is None or out.dtype != q.dtype or not out.is_contiguous():
+            out = torch.empty_like(q)
+            kernel.attend(q, self.pages, row.plain_qsl, row.plain_seq_lens, table, scheduler,
+                          out)
+            output[rows] = out.to(output.dtype)
+        else:
+            kernel.attend(q, self.pages, row.plain_qsl, row.plain_seq_lens, table, scheduler,
+                          out)
 
 
-def _grown(x: torch.Tensor, size: int, used: int) -> torch.Tensor:
-    out = torch.empty(size, *x.shape[1:], dtype=x.dtype)
-    out[:used] = x[:used]
-    return out
+def _new_keys(row: PreparedRow, covered: int, count: int, block_size: int
+              ) -> tuple:
+    """What a copy that looked at keys ``0 .. covered - 1`` and holds ``count`` appends now:
+    ``(new, first, moves, slots, (blocks, offsets))`` — the new real keys, the first block
+    holding one, their moves, their slots in the copy, and where each sits in the cache (the
+    same in every layer)."""
+    new = row.real_keys[row.real_keys >= covered]
+    return (new, covered // block_size, row.key_moves[new],
+            torch.arange(count, count + new.numel()),
+            (row.blocks[new // block_size], new % block_size))
 
 
 def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
-           layout: PageLayout, rotate: Rotate, scale: float, output: torch.Tensor,
-           kept: dict[str, KeptKeys] | None = None, kept_cap_bytes: int = 0) -> None:
+           layout: PageLayout, rotate: Rotate, kernel: PagedKernel, scale: float,
+           output: torch.Tensor, kept: dict[str, KeptKeys] | None = None,
+           kept_cap_bytes: int = 0) -> None:
     """One layer: ``kv_cache`` ``[blocks, heads, 2 * bs, D]`` is its cache; writes the
     ``output`` rows of every prepared row. ``kept``: this layer's kept keys by request (entries
     of requests not in this step are dropped), at most ``kept_cap_bytes`` in all."""
@@ -243,14 +343,13 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
             continue
         copy = None if kept is None or row.request is None else kept.get(row.request)
         if copy is None or not copy.valid_for(row, bs):
-            copy = KeptKeys(kv_heads, d, kv_cache.dtype)
-        copy.extend(row, kv_cache, layout, rotate, bs)
+            copy = KeptKeys(kv_heads, d, bs, kv_cache.dtype)
+        copy.extend(row, kv_cache, layout, rotate, kernel, bs)
         if kept is not None and row.request is not None:
             kept.pop(row.request, None)
             if sum(c.nbytes for c in kept.values()) + copy.nbytes <= kept_cap_bytes:
                 kept[row.request] = copy
-        _attend_rows(query, row, row.plain, copy.k[:copy.count], copy.v[:copy.count],
-                     row.plain_mask, rotate, scale, heads, output)
+        copy.attend(query, row, rotate, kernel, output)
 
 
 def _attend_rows(query: torch.Tensor, row: PreparedRow, which: torch.Tensor, k: torch.Tensor,
