@@ -503,31 +503,39 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
     def _attend_masked(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor,
                        kv_cache: torch.Tensor, plan: StepPlan, rope: torch.nn.Module,
                        output: torch.Tensor) -> None:
-        """Rule 1 (docs/design.md §2): the requests that hold layout tokens, with a key mask.
+        """Rule 1 (docs/design.md §2): the requests that hold layout tokens.
 
-        vLLM's C++ kernel attends every key of a row's range, so these rows are attended with
-        torch (``engine_ext/attention/masked_rows.py``): the keys and values they read gathered
-        from the cache, keys moved from their home to their logical positions by the model's
-        rotary op, layout keys hidden from every query but their own, queries moved from the
-        physical position the model rotated them at.
+        vLLM's C++ kernel attends every key of a row's range, so these rows are attended by
+        ``engine_ext/attention/masked_rows.py``: keys moved from their home to their logical
+        positions by the model's rotary op, layout keys hidden from every query but their own,
+        queries moved from the physical position the model rotated them at; the question's and
+        the decoding queries by vLLM's kernel over a kept copy of the request's real keys, the
+        span tokens of a final with a mask in torch.
         """
         assert plan.masked is not None and plan.home_slots is not None
-        layout = self._layout(layer, key_cache)
-        rows = masked_rows.prepare(plan.masked, plan.home_slots, key_cache.shape[2])
-        table, shift = _offset_table(rope, key_cache.dtype)
+        context = self.__dict__.get("_masked_context")
+        if context is None or context[0] is not kv_cache:  # what a layer's calls all share
+            table, shift = _offset_table(rope, key_cache.dtype)
 
-        def rotate(x: torch.Tensor, offsets: torch.Tensor) -> None:
-            ops.rotary_embedding(offsets + shift, x.view(x.shape[0], -1), None,
-                                 self.head_size, table, rope.is_neox_style)
+            def rotate(x: torch.Tensor, rows: torch.Tensor) -> None:
+                ops.rotary_embedding(rows, x.view(x.shape[0], -1), None, self.head_size, table,
+                                     rope.is_neox_style)
 
-        pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 2 * key_cache.shape[2],
-                              self.head_size)
-        kept = self.__dict__.setdefault("_kept_keys", {})
-        # the kept keys live in the key shadow's share of the memory (the shadow itself idles:
-        # every request that reads a span off home holds layout tokens, so it comes here)
-        cap = int(kv_cache.numel() * kv_cache.element_size() * pool_share())
-        masked_rows.attend(rows, query, pages, layout, rotate, _LayerKernel(self, layer, kv_cache.dtype),
-                           self.scale, output, kept, cap)
+            pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1],
+                                  2 * key_cache.shape[2], self.head_size)
+            # the kept keys live in the key shadow's share of the memory (the shadow itself
+            # idles: every request that reads a span off home holds layout tokens, so it comes
+            # here)
+            cap = int(kv_cache.numel() * kv_cache.element_size() * pool_share())
+            kept = self.__dict__.setdefault("_kept_keys", {})
+            kept.clear()  # copies of another cache tensor's content
+            context = (kv_cache, self._layout(layer, key_cache), shift, rotate, pages, cap,
+                       _LayerKernel(self, layer, kv_cache.dtype), kept)
+            self._masked_context = context
+        _, layout, shift, rotate, pages, cap, kernel, kept = context
+        rows = masked_rows.prepare(plan.masked, plan.home_slots, key_cache.shape[2], shift)
+        masked_rows.attend(rows, query, pages, layout, rotate, kernel, self.scale, output, kept,
+                           cap)
 
     def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, block_table: torch.Tensor,

@@ -52,8 +52,9 @@ from minipic.engine_ext.attention.step_plan import MaskedBatch
 
 _PREPARED = "masked_rows"  # key of the per-step preparation in MaskedBatch.derived
 
-# rotate(x [n, heads, D] in place, offsets [n]): the model's rotary op moving each row by its
-# offset (positions into an offset table)
+# rotate(x [n, heads, D] in place, moves [n]): the model's rotary op moving each row by its
+# offset; ``moves`` are rows of the op's offset table (offset + the table's shift,
+# ``cpu_backend._offset_table``), so that no layer adds the shift again
 Rotate = Callable[[torch.Tensor, torch.Tensor], None]
 
 
@@ -90,8 +91,8 @@ class PreparedRow:
     queries: torch.Tensor  # [q] int64: the row's query rows in the step
     blocks: torch.Tensor  # [ceil(n / bs)] int64: the physical blocks it reads, in table order
     keys: int  # n: its keys are tokens 0 .. n - 1 of those blocks
-    key_moves: torch.Tensor  # [n] int64: logical minus home position of each key
-    query_moves: torch.Tensor  # [q] int64: logical minus physical position of each query
+    key_moves: torch.Tensor  # [n] int64: logical minus home position of each key (+ shift)
+    query_moves: torch.Tensor  # [q] int64: logical minus physical position of each (+ shift)
     mask: torch.Tensor | None  # [q_other, n] bool: what each other query sees
     other: torch.Tensor  # [q_other] int64: indices (into the row's queries) of the others
     plain: torch.Tensor  # [q_plain] int64: indices of the plain queries
@@ -110,9 +111,10 @@ class PreparedRow:
     derived: dict = field(default_factory=dict)
 
 
-def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int
+def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int, shift: int = 0
             ) -> list[PreparedRow]:
-    """The step's part of the masked rows' attention (cached on ``batch`` for every layer)."""
+    """The step's part of the masked rows' attention (cached on ``batch`` for every layer);
+    ``shift``: the row of the offset table that moves by 0 (moves are table rows)."""
     cached = batch.derived.get(_PREPARED)
     if cached is not None:
         return cached
@@ -143,8 +145,8 @@ def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int
         key_start = None if batch.key_start is None else starts[other]
         rows.append(PreparedRow(
             queries=batch.rows[q0:q1], blocks=blocks, keys=seq_len,
-            key_moves=logical.clamp(min=0) - home_pos - j % block_size,
-            query_moves=batch.query_shift[q0:q1],
+            key_moves=logical.clamp(min=0) - home_pos - j % block_size + shift,
+            query_moves=batch.query_shift[q0:q1] + shift,
             mask=_mask(q_index[other], logical, key_start, sink, isolated[other])
             if other.numel() else None,
             other=other, plain=is_plain.nonzero().flatten(), real_keys=real_keys,
