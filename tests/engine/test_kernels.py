@@ -1273,6 +1273,16 @@ def test_cpu_kv_layout_round_trips_vllm_writer(seed: int) -> None:
                 assert rows.is_contiguous(), what
                 want = keys.view(3, block, 2 * head)[blocks].reshape(-1, 2 * head)
                 assert torch.equal(rows, want), what
+            # single tokens picked straight from the pages (the masked rows' kept copy), where
+            # the layout is a plain matrix (None: the caller reads whole pages instead)
+            tokens = torch.randperm(3 * block, generator=gen)[: block + 3]
+            picked = layout.tokens_at(page, tokens // block, tokens % block)
+            if picked is not None:
+                assert all(t.is_contiguous() for t in picked), what
+                assert torch.equal(picked[0], keys[tokens]), what
+                assert torch.equal(picked[1], values[tokens]), what
+            elif isa == "vec":
+                raise AssertionError(f"{what}: the vector kernels' pages are plain matrices")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
