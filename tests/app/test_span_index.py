@@ -51,8 +51,11 @@ WORDS = ("river stone cloud ember quartz lumen harbor violet cedar orbit nimbus 
 def _write_corpus(path: Path, rng: random.Random, count: int) -> list[dict[str, str]]:
     items = []
     for i in range(count):
-        item = {"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120))),
-                "id": f"doc-{i}"}
+        # a distinct opening: a span's first block holds only a few of its tokens after the
+        # sink, and two documents that share them share that block's KV entry, which would
+        # make the store's entry count smaller than the manifest's block count
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120)))
+        item = {"text": f"Document {i}: {words}", "id": f"doc-{i}"}
         if i % 4 == 0:
             item["title"] = f"Entry {rng.randrange(10**6)}"
         items.append(item)

@@ -18,11 +18,9 @@ from check_imports import unresolved  # noqa: E402
 
 
 def test_every_import_resolves_from_the_checkout(tmp_path) -> None:
-    probe = ROOT / "tools" / f"probe_unresolved_{tmp_path.name}.py"
+    # the probe lives outside the checkout: tests in the other lane read every file of it
+    probe = tmp_path / "probe_unresolved.py"
     probe.write_text("from minipic.no_such_layer import anything  # noqa: F401\n")
-    try:
-        found = unresolved()
-    finally:
-        probe.unlink()
+    found = unresolved((probe,))
     assert [line for line in found if probe.name in line], "the check cannot fail"
     assert [line for line in found if probe.name not in line] == []
