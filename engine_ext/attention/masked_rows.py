@@ -84,8 +84,8 @@ class PreparedRow:
     the answer being generated) see exactly the request's real keys up to themselves, so they
     attend over a compact copy of those keys (:class:`KeptKeys`, kept from one step to the next);
     a **layout** query sees only itself, so its output is its own value (what attention over
-    that one key gives, exactly); the **others** (a span's tokens, its sink) attend over the
-    row's whole key range with the mask.
+    that one key gives, exactly); the **others** (a span's tokens, its sink) attend with the mask
+    over the keys from the first they may see to themselves (:func:`_key_ranges`).
     """
 
     queries: torch.Tensor  # [q] int64: the row's query rows in the step
@@ -93,7 +93,9 @@ class PreparedRow:
     keys: int  # n: its keys are tokens 0 .. n - 1 of those blocks
     key_moves: torch.Tensor  # [n] int64: logical minus home position of each key (+ shift)
     query_moves: torch.Tensor  # [q] int64: logical minus physical position of each (+ shift)
-    mask: torch.Tensor | None  # [q_other, n] bool: what each other query sees
+    # the other queries by the first key they may see (a span's own tokens: its start), each
+    # group with the key range [lo, hi) it reads and its mask over that range
+    other_groups: list[tuple[torch.Tensor, int, int, torch.Tensor]]
     other: torch.Tensor  # [q_other] int64: indices (into the row's queries) of the others
     plain: torch.Tensor  # [q_plain] int64: indices of the plain queries
     real_keys: torch.Tensor  # [m] int64: the real keys (not layout, not sink), in order
@@ -147,14 +149,32 @@ def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int, shift
             queries=batch.rows[q0:q1], blocks=blocks, keys=seq_len,
             key_moves=logical.clamp(min=0) - home_pos - j % block_size + shift,
             query_moves=batch.query_shift[q0:q1] + shift,
-            mask=_mask(q_index[other], logical, key_start, sink, isolated[other])
-            if other.numel() else None,
+            other_groups=_key_ranges(
+                other, q_index[other], key_start,
+                _mask(q_index[other], logical, key_start, sink, isolated[other]))
+            if other.numel() else [],
             other=other, plain=is_plain.nonzero().flatten(), real_keys=real_keys,
             layout=is_layout.nonzero().flatten(), layout_keys=q_index[is_layout],
             request=batch.requests[r] if batch.requests else None, home=home,
             plain_qsl=qsl_runs, plain_seq_lens=seq_lens_runs))
     batch.derived[_PREPARED] = rows
     return rows
+
+
+def _key_ranges(other: torch.Tensor, own: torch.Tensor, key_start: torch.Tensor | None,
+                mask: torch.Tensor) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
+    """``(queries, lo, hi, mask)`` per first key ``lo`` the other queries may see: ``queries``
+    index the row's queries, keys ``lo .. hi - 1`` hold all that each sees (from its
+    ``key_start`` to itself), ``mask`` ``[len(queries), hi - lo]``. Why: a span's tokens
+    computed in a final (a cold final, a recomputed head's sink) see only their own span, so
+    reading and moving the whole prompt for them, per layer, was most of their cost."""
+    starts = (torch.zeros_like(own) if key_start is None else key_start).tolist()
+    groups = []
+    for lo in sorted(set(starts)):
+        members = torch.tensor([i for i, s in enumerate(starts) if s == lo])
+        hi = int(own[members].max()) + 1
+        groups.append((other[members], lo, hi, mask[members, lo:hi]))
+    return groups
 
 
 def _runs(own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,11 +355,14 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
             own = own[torch.arange(row.layout.numel()), row.layout_keys % bs]
             output[row.queries[row.layout]] = own.repeat_interleave(
                 heads // kv_heads, dim=1).to(output.dtype)
-        if row.other.numel():
-            keys, values = token_rows(layout, kv_cache.index_select(0, row.blocks))
-            k = keys[: row.keys].contiguous()
-            rotate(k, row.key_moves)
-            _attend_rows(query, row, row.other, k, values[: row.keys], row.mask, rotate, scale,
+        for which, lo, hi, mask in row.other_groups:
+            first = lo // bs
+            keys, values = token_rows(
+                layout, kv_cache.index_select(0, row.blocks[first:-(-hi // bs)]))
+            at = lo - first * bs
+            k = keys[at:at + hi - lo].contiguous()
+            rotate(k, row.key_moves[lo:hi])
+            _attend_rows(query, row, which, k, values[at:at + hi - lo], mask, rotate, scale,
                          heads, output)
         if not row.plain.numel():
             continue
