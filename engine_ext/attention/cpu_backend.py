@@ -307,12 +307,8 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         return md
 
     def _schedule(self, causal: bool, qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        return ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=seq_lens.numel(), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype, query_start_loc=qsl,
-            causal=causal, sliding_window_size=-1, isa=self.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype,
-        )
+        return _scheduler_metadata(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype,
+                                   self.isa, self.kv_cache_dtype, qsl, seq_lens, causal)
 
 
 class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -575,6 +571,18 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
 
+def _scheduler_metadata(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        isa: str, kv_cache_dtype: str, qsl: torch.Tensor, seq_lens: torch.Tensor,
+                        causal: bool) -> torch.Tensor:
+    """vLLM's C++ kernel's work split for these rows (what every call of the kernel needs)."""
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=seq_lens.numel(), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, seq_lens=seq_lens, dtype=dtype, query_start_loc=qsl, causal=causal,
+        sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+
+
 class _LayerKernel:
     """vLLM's C++ writer and attention kernel bound to one layer (``masked_rows.PagedKernel``):
     how the masked rows' kept copy is written and read, the same ops as the cache's."""
@@ -592,13 +600,9 @@ class _LayerKernel:
 
     def schedule(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         impl = self.impl
-        return ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=seq_lens.numel(), num_heads=impl.num_heads,
-            num_kv_heads=impl.num_kv_heads, head_dim=impl.head_size, seq_lens=seq_lens,
-            dtype=self.dtype,
-            query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
-            isa=self.layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            kv_cache_dtype=impl.kv_cache_dtype)
+        return _scheduler_metadata(impl.num_heads, impl.num_kv_heads, impl.head_size, self.dtype,
+                                   self.layer.isa, impl.kv_cache_dtype, query_start_loc,
+                                   seq_lens, True)
 
     def attend(self, query: torch.Tensor, pages: torch.Tensor, query_start_loc: torch.Tensor,
                seq_lens: torch.Tensor, block_table: torch.Tensor, scheduler: torch.Tensor,

@@ -96,7 +96,6 @@ class PreparedRow:
     # the other queries by the first key they may see (a span's own tokens: its start), each
     # group with the key range [lo, hi) it reads and its mask over that range
     other_groups: list[tuple[torch.Tensor, int, int, torch.Tensor]]
-    other: torch.Tensor  # [q_other] int64: indices (into the row's queries) of the others
     plain: torch.Tensor  # [q_plain] int64: indices of the plain queries
     real_keys: torch.Tensor  # [m] int64: the real keys (not layout, not sink), in order
     layout: torch.Tensor  # [q_layout] int64: indices of the layout queries
@@ -153,7 +152,7 @@ def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int, shift
                 other, q_index[other], key_start,
                 _mask(q_index[other], logical, key_start, sink, isolated[other]))
             if other.numel() else [],
-            other=other, plain=is_plain.nonzero().flatten(), real_keys=real_keys,
+            plain=is_plain.nonzero().flatten(), real_keys=real_keys,
             layout=is_layout.nonzero().flatten(), layout_keys=q_index[is_layout],
             request=batch.requests[r] if batch.requests else None, home=home,
             plain_qsl=qsl_runs, plain_seq_lens=seq_lens_runs))
@@ -312,14 +311,12 @@ class KeptKeys:
              else query[span[0]:span[1]].clone(memory_format=torch.contiguous_format))
         rotate(q, moves)
         out = None if span is None else output[span[0]:span[1]]
-        if out is None or out.dtype != q.dtype or not out.is_contiguous():
+        direct = out is not None and out.dtype == q.dtype and out.is_contiguous()
+        if not direct:
             out = torch.empty_like(q)
-            kernel.attend(q, self.pages, row.plain_qsl, row.plain_seq_lens, table, scheduler,
-                          out)
+        kernel.attend(q, self.pages, row.plain_qsl, row.plain_seq_lens, table, scheduler, out)
+        if not direct:
             output[rows] = out.to(output.dtype)
-        else:
-            kernel.attend(q, self.pages, row.plain_qsl, row.plain_seq_lens, table, scheduler,
-                          out)
 
 
 def _new_keys(row: PreparedRow, covered: int, count: int, block_size: int
@@ -350,9 +347,13 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
             del kept[gone]
     for row in rows:
         if row.layout.numel():  # a layout query sees only itself: its own value
-            pages = kv_cache.index_select(0, row.blocks[row.layout_keys // bs])
-            own = token_rows(layout, pages)[1].view(-1, bs, kv_heads, d)
-            own = own[torch.arange(row.layout.numel()), row.layout_keys % bs]
+            blocks, offsets = row.blocks[row.layout_keys // bs], row.layout_keys % bs
+            picked = layout.tokens_at(kv_cache, blocks, offsets)
+            if picked is not None:
+                own = picked[1]
+            else:  # whole pages, then the rows
+                own = token_rows(layout, kv_cache.index_select(0, blocks))[1].view(
+                    -1, bs, kv_heads, d)[torch.arange(blocks.numel()), offsets]
             output[row.queries[row.layout]] = own.repeat_interleave(
                 heads // kv_heads, dim=1).to(output.dtype)
         for which, lo, hi, mask in row.other_groups:
