@@ -15,18 +15,23 @@ that hint otherwise, and asks for the server's API key when one is set (vLLM gua
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from argparse import Namespace
 from typing import Any
 
+from minipic.engine_ext.vllm_surface.added_names import MODEL_SUPPORT_ATTR
 from minipic.span_contract.engine_utilities import (
     CHECKPOINT_STATS_UTILITY,
     HOLE_STATS_UTILITY,
     SPAN_STORE_STATS_UTILITY,
 )
 from minipic.span_contract.env import CACHE_RESET_ENV
+from minipic.span_contract.model_support import ModelSupport
 from minipic.span_contract.span_config import SpanConfig, enabled_features
+
+logger = logging.getLogger("vllm.minipic.serve")  # vLLM's log configuration applies
 
 CONFIG_PATH = "/minipic/config"
 RESET_PATH = "/minipic/reset_prefix_cache"
@@ -100,6 +105,22 @@ async def _prefill_steps_summary(request: Any) -> dict[str, Any] | None:
     return {"histogram": stats["histogram"], "multi_hole_steps": stats["multi_hole_steps"]}
 
 
+async def served_model_support(engine_client: Any) -> ModelSupport | None:
+    """The engine's position-free verdict (None: the plugin runs without position-free
+    attention, so there is nothing to ask), logged once at start as the server's line about its
+    model (``engine_ext/vllm_surface/request_gate.py``)."""
+    if engine_client is None or "rope" not in enabled_features():
+        return None
+    from minipic.engine_ext.vllm_surface import request_gate
+
+    known = engine_client.__dict__.get(MODEL_SUPPORT_ATTR)
+    support = await request_gate.fetch(engine_client)
+    if known is None:
+        model = getattr(getattr(engine_client, "model_config", None), "model", "?")
+        logger.warning("minipic serve: model %s is %s", model, support.summary())
+    return support
+
+
 class MinipicEndpoints:
     name = "minipic"
     required_tasks = None
@@ -116,6 +137,9 @@ class MinipicEndpoints:
             if denied is not None:
                 return denied
             config = current_config()
+            support = await served_model_support(getattr(request.app.state, "engine_client", None))
+            if support is not None:
+                config["model_support"] = support.to_dict()
             if "ckpt" in config["features"]:
                 config["ckpt"] = await _ckpt_summary(request)
             if "holes" in config["features"]:

@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minipic.span_contract.model_support import ModelSupport
 from minipic.span_contract.span_config import SpanConfig
 
 
@@ -61,6 +62,15 @@ class BackendInfo(BaseModel):
     tokenizer: str  # local folder the prompt builder loads its tokenizer from
     max_model_len: int
     span_config: SpanConfig | None  # None: the minipic plugin is off (stock vLLM caching)
+    # whether the engine's model is position-free (None: not asked yet); a model that is not
+    # gets its documents as the plain prompt, never opted in (span_contract.model_support)
+    model_support: ModelSupport | None = None
+
+    @property
+    def spans_served(self) -> bool:
+        """Whether requests may opt in to span semantics on this engine."""
+        return self.span_config is not None and (
+            self.model_support is None or self.model_support.position_free)
 
 
 @runtime_checkable

@@ -15,6 +15,7 @@ code use ``SyncOrchestrator``, which owns a loop thread and has the same methods
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -43,6 +44,9 @@ from minipic.prompt_builder import (
     Span,
 )
 from minipic.prompt_builder.modes import ModeSpec, coerce_mode, parse_mode
+from minipic.span_contract.model_support import ModelSupport
+
+logger = logging.getLogger("minipic.orchestrator")
 
 Document = str | Span | Mapping[str, Any]
 
@@ -154,6 +158,7 @@ class Orchestrator:
                 raise ConfigMismatchError(f"{info.kind} engine {info.model}: {exc}") from None
         self.backend = backend
         self.builder = builder
+        self._fallback_logged = False
         self.scheduler = Scheduler(backend, _coerce_options(options), registry)
 
     # -- construction ---------------------------------------------------------------------------
@@ -309,6 +314,14 @@ class Orchestrator:
                                 "from the model alone)")
         try:
             chosen = coerce_mode(mode)
+            support = self.backend.info.model_support
+            if support is not None and not support.position_free and chosen is not Mode.PREFIX:
+                # the documents as the plain prompt: exact answers, stock prefix caching
+                if not self._fallback_logged:
+                    self._fallback_logged = True
+                    logger.warning("minipic: documents are answered as plain prompts: %s",
+                                   support.summary())
+                chosen = mode = Mode.PREFIX
             if self.backend.info.span_config is None and chosen is not Mode.PREFIX:
                 raise BadInputError(f"the engine runs without the minipic plugin; mode "
                                     f"'{chosen.value}' needs it (use mode='prefix')")
@@ -318,6 +331,16 @@ class Orchestrator:
             )
         except PromptBuildError as exc:
             raise from_build_error(exc) from exc
+
+    async def check_model(self) -> ModelSupport | None:
+        """Whether the engine's model is position-free, asked once before the first prompt is
+        built (an embedded engine can only be asked on the loop it answers on). On a model that
+        is not, every question is answered from the plain prompt, and ``Answer.fallback`` says
+        why."""
+        fetch = getattr(self.backend, "fetch_model_support", None)
+        if self.backend.info.model_support is None and fetch is not None:
+            await fetch()
+        return self.backend.info.model_support
 
     def _prepare(
         self,
@@ -364,6 +387,7 @@ class Orchestrator:
         with no content (empty, whitespace only) is left out and named in
         ``Answer.skipped_spans`` — a retriever's empty hit must not fail the question.
         """
+        await self.check_model()
         prompt, params = self._prepare(question, documents, system, mode, cache_salt=cache_salt,
                                        budget=budget, require_documents=require_documents,
                                        sampling=sampling)
@@ -401,6 +425,7 @@ class Orchestrator:
         if isinstance(questions, (str, bytes, Mapping)) or not isinstance(questions, Iterable):
             raise BadInputError(f"questions must be a list, got {type(questions).__name__}")
         questions = list(questions)
+        await self.check_model()
         params = _sampling(sampling)
         _check_salt(cache_salt)
         results: list[Answer | MinipicError | None] = [None] * len(questions)
@@ -446,6 +471,7 @@ class Orchestrator:
     ) -> int:
         """Prefill these documents' spans now (e.g. a corpus, or an agent's tool descriptions)
         so later questions find them warm. Returns how many prefills it sent."""
+        await self.check_model()
         prompt, _ = self._prepare("?", documents, system, mode, cache_salt=cache_salt,
                                   budget=BudgetPolicy.ERROR, require_documents=True,
                                   sampling={"max_tokens": 1})

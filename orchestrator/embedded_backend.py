@@ -28,6 +28,7 @@ from minipic.span_contract.engine_config import (
     patched_environ,
 )
 from minipic.span_contract.engine_utilities import HOLE_STATS_UTILITY, KEY_SHADOW_STATS_RPC
+from minipic.span_contract.model_support import MODEL_SUPPORT_UTILITY, ModelSupport
 from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
 
@@ -73,6 +74,16 @@ class EmbeddedBackend(TransportBackend):
         del engine
         return backend
 
+    async def fetch_model_support(self) -> ModelSupport | None:
+        """The engine's position-free verdict, asked once on the caller's loop (AsyncLLM binds
+        its output handler to the loop of its first call, so it cannot be asked at start)."""
+        if self.info.model_support is None and self.info.span_config is not None \
+                and self.settings is not None and "rope" in self.settings.features:
+            self._check_loop()
+            raw = await self.engine.engine_core.call_utility_async(MODEL_SUPPORT_UTILITY)
+            self.info.model_support = ModelSupport.from_dict(raw)
+        return self.info.model_support
+
     def _check_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is None:
@@ -98,7 +109,8 @@ class EmbeddedBackend(TransportBackend):
             max_tokens=sampling.max_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p, seed=sampling.seed, stop=list(sampling.stop) or None,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={SPANS_OPT_IN_KEY: True},  # span semantics are opt-in per request
+            # span semantics are opt-in per request; never on a model that is not position-free
+            extra_args={SPANS_OPT_IN_KEY: True} if self.info.spans_served else None,
         )
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         if cache_salt is not None:

@@ -36,6 +36,7 @@ from minipic.orchestrator.errors import (
     EngineUnreachableError,
     RequestTimeoutError,
 )
+from minipic.span_contract.model_support import ModelSupport
 from minipic.span_contract.span_config import ROUTE_AS_KEY, SPANS_OPT_IN_KEY, SpanConfig
 
 CONFIG_PATH = "/minipic/config"
@@ -115,6 +116,7 @@ def fetch_server_info(
         kind="http", model=card["id"], tokenizer=resolve_model(tokenizer),
         max_model_len=int(card.get("max_model_len") or 2048),
         span_config=SpanConfig.model_validate(span) if raw.get("enabled") and span else None,
+        model_support=ModelSupport.from_dict(raw.get("model_support")),
     )
     return info, raw
 
@@ -191,7 +193,7 @@ class HttpBackend(TransportBackend):
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
             # Span semantics are opt-in per request (span_contract.span_config.SPANS_OPT_IN_KEY).
-            "vllm_xargs": {SPANS_OPT_IN_KEY: True},
+            "vllm_xargs": {SPANS_OPT_IN_KEY: True} if self.info.spans_served else {},
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed

@@ -27,6 +27,14 @@ class SpanStatus(BaseModel):
     hit: bool | None = None
 
 
+def fallback_reason(backend: object) -> str | None:
+    """``Answer.fallback`` for an answer from ``backend``'s engine."""
+    support = getattr(getattr(backend, "info", None), "model_support", None)
+    if support is None or support.position_free:
+        return None
+    return f"answered as the plain prompt: {support.reason}"
+
+
 class Answer(BaseModel):
     """The answer to one question and what it cost.
 
@@ -57,6 +65,9 @@ class Answer(BaseModel):
     # documents left out because they have no content (empty, whitespace only, or text the
     # tokenizer drops): a retriever's empty hit is noted here instead of failing the question
     skipped_spans: list[SkippedSpan] = []
+    # why the documents were answered as the plain prompt (the engine's model is not
+    # position-free: span_contract.model_support); None when spans were served
+    fallback: str | None = None
 
     @property
     def cold_spans(self) -> list[str]:

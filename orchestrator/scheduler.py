@@ -52,7 +52,7 @@ from minipic.orchestrator.errors import (
     RequestTimeoutError,
     with_index,
 )
-from minipic.orchestrator.results import Answer, SpanStatus
+from minipic.orchestrator.results import Answer, SpanStatus, fallback_reason
 from minipic.orchestrator.retry import RetryBudget, RetryPolicy
 from minipic.orchestrator.slots import PrioritySlots
 from minipic.orchestrator.warmth import CacheCheck, WarmKey, WarmthRegistry, check_cache
@@ -368,7 +368,7 @@ class Scheduler:
             spans=self._span_statuses(job, batch, check),
             prefills_sent=batch.prefilled_for.get(job.seq, 0),
             attempts=finals, finish_reason=done.finish_reason, budget=job.prompt.budget,
-            skipped_spans=job.prompt.skipped_spans,
+            skipped_spans=job.prompt.skipped_spans, fallback=fallback_reason(self.backend),
         )
 
     @staticmethod

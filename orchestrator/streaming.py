@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 from minipic.orchestrator.backends import Completion, Sampling
 from minipic.orchestrator.client import Document, Orchestrator
 from minipic.orchestrator.errors import RequestTimeoutError
-from minipic.orchestrator.results import Answer, SpanStatus
+from minipic.orchestrator.results import Answer, SpanStatus, fallback_reason
 from minipic.orchestrator.warmth import CacheCheck, check_cache
 from minipic.prompt_builder import BudgetPolicy, BuiltPrompt, Mode
 
@@ -100,6 +100,7 @@ async def stream_answer(
     produced, then the ``Answer``. Raises a ``MinipicError`` subclass on failure; its arguments
     are checked and laid out by ``answer``'s own step (``Orchestrator._prepare``), so they are
     refused exactly as ``answer`` refuses them."""
+    await orc.check_model()
     prompt, params = orc._prepare(question, documents, system, mode, cache_salt=cache_salt,
                                   budget=budget, require_documents=require_documents,
                                   sampling=sampling)
@@ -126,5 +127,5 @@ async def stream_answer(
         expected_cached_tokens=check.expected, cache_ok=check.ok,
         spans=_statuses(prompt, believed, check), prefills_sent=prefills, attempts=1,
         finish_reason=done.finish_reason, budget=prompt.budget,
-        skipped_spans=prompt.skipped_spans,
+        skipped_spans=prompt.skipped_spans, fallback=fallback_reason(orc.backend),
     )

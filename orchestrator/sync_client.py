@@ -23,6 +23,7 @@ from minipic.orchestrator.results import Answer
 from minipic.orchestrator.scheduler import Policy, SchedulerEvent, SchedulerOptions
 from minipic.orchestrator.warmth import WarmthRegistry
 from minipic.prompt_builder import BudgetPolicy, BuiltPrompt, Mode
+from minipic.span_contract.model_support import ModelSupport
 
 T = TypeVar("T")
 
@@ -179,6 +180,10 @@ class SyncOrchestrator:
             return self.aio.learn_stored_spans(store_dir, fingerprint=fingerprint)
 
         return self._thread.call(learn())
+
+    def check_model(self) -> ModelSupport | None:
+        """``Orchestrator.check_model``: whether the engine's model is position-free."""
+        return self._thread.call(self.aio.check_model())
 
     def reset_cache(self) -> None:
         self._thread.call(self.aio.reset_cache())

@@ -150,7 +150,8 @@ class PromptBuilder:
         """Load the tokenizer of ``model_dir`` (None: minipic's default model) and pick markers.
 
         ``sink_ids``: the opening copied after each span's SSEP (None: the model's own,
-        ``span_contract.special_tokens.model_sink_ids``; ``()``: spans without a sink).
+        ``span_contract.special_tokens.model_sink_ids``, the one the engine computes, whatever
+        ``chat_template`` and ``chat_template_kwargs`` say; ``()``: spans without a sink).
         Marker ids default to the model family's unused special tokens
         (``span_contract.special_tokens``; ``family`` forces one); any id given explicitly overrides
         its default. ``max_model_len="auto"`` reads ``max_position_embeddings`` from the

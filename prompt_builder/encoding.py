@@ -23,7 +23,7 @@ from typing import Any
 
 from minipic.prompt_builder.errors import InvalidInputError, ReservedTokenError, SpanTokenError
 from minipic.span_contract.span_config import SpanConfig
-from minipic.span_contract.special_tokens import special_token_ids
+from minipic.span_contract.special_tokens import bos_prefix_ids, special_token_ids
 
 MARKER_NAMES = ("ssep_id", "pdep_id", "pad_id")
 
@@ -94,13 +94,13 @@ class PromptEncoder:
                     )
 
     def _leading_special_ids(self) -> list[int]:
-        """Ids the tokenizer puts before text by default (BOS for Llama-style tokenizers)."""
-        plain = self._call("a", add_special_tokens=False, split=True)
-        full = list(self.tokenizer("a")["input_ids"])
-        for start in range(len(full) - len(plain) + 1):
-            if full[start : start + len(plain)] == plain:
-                return full[:start]
-        return []
+        """Ids the tokenizer puts before text by default (BOS for Llama-style tokenizers).
+
+        Why ``span_contract``'s function: for a model without a chat template this is also the
+        sink (``model_sink_ids``), which the engine computes too; one definition keeps a plain
+        prompt's opening and its spans' sinks the same ids.
+        """
+        return list(bos_prefix_ids(self.tokenizer))
 
     # -- encoding ------------------------------------------------------------------------------
 

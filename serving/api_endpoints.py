@@ -11,7 +11,7 @@ from __future__ import annotations
 from argparse import Namespace
 from typing import Any
 
-from minipic.engine_ext.endpoints import MinipicEndpoints, current_config
+from minipic.engine_ext.endpoints import MinipicEndpoints, current_config, served_model_support
 from minipic.serving.documents import chat_render
 from minipic.serving.documents.middleware import STATE_ATTR, DocumentsMiddleware
 from minipic.span_contract.span_config import SpanConfig
@@ -48,6 +48,7 @@ class MinipicServerEndpoints(MinipicEndpoints):
         from minipic.serving.documents.server_side import ServerSide
 
         model = engine_client.model_config
+        support = await served_model_support(engine_client)
         chat_render.install()
         setattr(state, STATE_ATTR, ServerSide(engine_client, str(model.model),
-                                              model.max_model_len, span))
+                                              model.max_model_len, span, support))

@@ -37,10 +37,10 @@ class SpanConfig(BaseModel):
     """Block size, the three special token ids that mark span structure, and the sink.
 
     ``sink_ids``: the model's own opening (its chat template's head with the default system
-    prompt, or its BOS), copied after every span's SSEP so that the span's tokens sink where
-    they would in full attention, not into their first token (docs/design.md §2). Only the span
-    sees its copy: the engine recognises it by these ids right after an SSEP at a block start.
-    Empty: spans carry no sink.
+    prompt, rendered with a fixed date so that it never changes, or its BOS), copied after every
+    span's SSEP so that the span's tokens sink where they would in full attention, not into
+    their first token (docs/design.md §2). Only the span sees its copy: the engine recognises it
+    by these ids right after an SSEP at a block start. Empty: spans carry no sink.
     """
 
     model_config = ConfigDict(frozen=True)

@@ -27,6 +27,8 @@ How the names were checked (offline, against real tokenizer files):
 
 from __future__ import annotations
 
+import re
+from datetime import datetime
 from typing import Any
 
 from minipic.span_contract.errors import BadInputError
@@ -96,6 +98,52 @@ def family_span_config(tokenizer: Any, family: str, block_size: int = 32) -> Spa
 # stands in for the user's content when the chat template is rendered to find its opening
 _CONTENT_SLOT = "\ue000minipic-content\ue000"
 
+# The one date every sink is rendered with (docs/design.md §2). Why a fixed date: templates that
+# print today's date (Llama 3.x: "Today Date: {{ date_string }}", filled from
+# ``strftime_now("%d %b %Y")``) would give a sink that changes at midnight; client and engine
+# then disagree on it and the span store's fingerprint (which holds ``SpanConfig``) turns every
+# stored span foreign. Why this date: it is the Llama 3.1 template's own fallback when no clock
+# is available ("26 Jul 2024"), so for that family the sink is what the template itself renders
+# without a clock.
+SINK_DATE = datetime(2024, 7, 26)
+
+_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August",
+           "September", "October", "November", "December")
+_WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def sink_strftime_now(fmt: str) -> str:
+    """``strftime_now`` for rendering the sink: ``SINK_DATE`` (00:00) formatted with ``fmt``.
+
+    Why not ``SINK_DATE.strftime(fmt)`` alone: month and weekday names (``%b %B %a %A``) and
+    ``%p`` follow the process's ``LC_TIME``, so a client and an engine on machines with other
+    locales would render other sinks; those codes are spelled in English here (``%^b``: in
+    capitals), every other code goes to ``strftime`` (numbers, for the codes templates use).
+    """
+    month, weekday = _MONTHS[SINK_DATE.month - 1], _WEEKDAYS[SINK_DATE.weekday()]
+    names = {"b": month[:3], "B": month, "a": weekday[:3], "A": weekday, "h": month[:3],
+             "p": "AM" if SINK_DATE.hour < 12 else "PM"}
+
+    def one(code: re.Match[str]) -> str:
+        name = names.get(code.group(2))
+        if name is None:
+            return SINK_DATE.strftime(code.group(0))
+        return name.upper() if code.group(1) == "^" else name
+
+    return re.sub(r"%([-_0^#]?)([A-Za-z%])", one, fmt)
+
+
+def sink_template_kwargs() -> dict[str, Any]:
+    """The variables the chat template sees when the sink is rendered, besides the messages.
+
+    Passed as ``apply_chat_template`` keyword arguments, which transformers hands to Jinja's
+    ``render`` as template variables; render variables shadow the environment's globals, so our
+    ``strftime_now`` replaces transformers' (``datetime.now()``) for this render only, without
+    patching any clock. ``date_string`` is given too, for templates that read it (Llama 3.x:
+    ``{% if not date_string is defined %}{% set date_string = strftime_now(...) %}``).
+    """
+    return {"strftime_now": sink_strftime_now, "date_string": sink_strftime_now("%d %b %Y")}
+
 
 def model_sink_ids(tokenizer: Any) -> tuple[int, ...]:
     """The model's own opening: what a prompt of this model starts with before any content.
@@ -103,17 +151,47 @@ def model_sink_ids(tokenizer: Any) -> tuple[int, ...]:
     Why this is each span's sink (docs/design.md §2): in full attention every token's attention
     sinks into the prompt's opening; a span computed alone has none, and rule 1 hides its SSEP,
     so without a copy of the opening its first word becomes the sink (measured in
-    ``results/layout_levers/``). With a chat template: the rendering of one user message up to
-    its content, the template's default system prompt included (SmolLM2: 24 tokens); without
-    one: the ids the tokenizer puts before text (its BOS), possibly none.
+    ``results/layout_levers/``).
+
+    Why it must be a stable function of the model (the tokenizer) alone: the client (prompt
+    builder) and the engine (``SpanConfig.sink_ids``, ``span_contract.engine_config``) each
+    compute it, in other processes and at other times, and the engine recognises a sink only by
+    these exact ids; they are also in the span store's fingerprint. So:
+
+    * With a chat template: the rendering of one user message up to its content, the
+      template's default system prompt included (SmolLM2: 24 tokens), rendered with a fixed
+      date (``SINK_DATE``, via ``sink_template_kwargs``: ``strftime_now`` and ``date_string``),
+      no tools, no documents and no other template variables (a builder's
+      ``chat_template_kwargs`` shape its prompts, never its sink: the engine cannot know them).
+      A template that prints today's date therefore gets a sink that holds 26 Jul 2024, not
+      today: the sink only has to be an opening of this model to sink into, and one that never
+      changes.
+    * Without one: the ids the tokenizer puts before text (its BOS); a tokenizer that adds none
+      gives ``()``, spans without a sink, since the model defines no opening to copy and an
+      invented one would be a guess.
+
+    Builders with ``chat_template=False`` get this same sink (the chat opening when the model
+    has a template): the sink belongs to the model, not to a prompt's format, since one engine
+    serves chat and plain prompts with one ``SpanConfig``, a builder may switch per ``build``
+    call, and a span's cached KV (its hash covers the sink) is then shared by both formats.
     """
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": _CONTENT_SLOT}], tokenize=False,
-            add_generation_prompt=True)
+            [{"role": "user", "content": _CONTENT_SLOT}], tools=None, documents=None,
+            tokenize=False, add_generation_prompt=True, **sink_template_kwargs())
         head = str(rendered).split(_CONTENT_SLOT)[0]
         ids = tokenizer(head, add_special_tokens=False, split_special_tokens=False)["input_ids"]
         return tuple(int(t) for t in ids)
+    return bos_prefix_ids(tokenizer)
+
+
+def bos_prefix_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids the tokenizer puts before text by default (its BOS, if it adds one), else ``()``.
+
+    Found by encoding a probe text with and without special tokens, not from ``bos_token_id``:
+    many tokenizers name a BOS they never add (SmolLM2's ``<|im_start|>``), and what counts is
+    what a plain prompt starts with.
+    """
     plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
     full = list(tokenizer("a")["input_ids"])
     for start in range(len(full) - len(plain) + 1):

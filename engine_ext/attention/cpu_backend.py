@@ -331,15 +331,17 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         if self.attn_type != AttentionType.DECODER:
             return f"attention type {self.attn_type}"
         if self.sliding_window != -1:
-            return "sliding window (early blocks are dropped; not supported)"
+            return ("sliding window (vLLM drops blocks by physical slot, the layout rule counts "
+                    "real tokens: docs/design.md §2; not supported)")
         if self.alibi_slopes is not None or self.sinks is not None:
             return "ALiBi / attention sinks"
         if self.kv_cache_dtype != "auto":
             return f"kv_cache_dtype={self.kv_cache_dtype}"
         if self.kv_sharing_target_layer_name is not None:
             return "cross-layer KV sharing"
-        if self.logits_soft_cap and self.path == "torch":
-            return "logits soft-cap with MINIPIC_CPU_ATTN=torch"
+        if self.logits_soft_cap:
+            # span requests' masked rows (attention/masked_rows.py) do not apply it
+            return "logit soft-capping (not applied to span requests' masked rows)"
         if getattr(rope, "head_size", self.head_size) != self.head_size:
             return f"rotary head_size {rope.head_size} != {self.head_size}"
         return None

@@ -1,11 +1,13 @@
 """The span rules in the worker: which keys each query of a step may attend to, and where RoPE
 puts every token of a span request.
 
-Two rules (docs/design.md §2), both functions of a request's tokens: span isolation (the first
-key each query may attend to, ``key_start``) and rule 1 (SSEP, PDEP and PAD are attended by no
-query but their own and take no position: each key's logical position, each query's shift from
-its physical one). :func:`step_span_view` derives both for the step being built, once, for
-every layer's attention.
+Two rules (docs/design.md §2), both functions of a request's prompt tokens: span isolation (the
+first key each query may attend to, ``key_start``) and rule 1 (SSEP, PDEP and PAD are attended by
+no query but their own and take no position: each key's logical position, each query's shift
+from its physical one). :func:`step_span_view` derives both for the step being built, once, for
+every layer's attention. The tokens the model generated obey neither: they are real tokens at
+their real positions, attending to every real key before them (a decoded PAD is part of the
+answer, and a decoded SSEP opens no span).
 
 Attention metadata (``CommonAttentionMetadata``) carries lengths and block tables but no token
 ids, while the isolation rule (``engine_ext/attention/span_segments.py``) is a function of the
@@ -34,7 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from minipic.engine_ext.attention.span_segments import block_segments, span_sinks
+from minipic.engine_ext.attention.span_segments import (
+    block_segments,
+    query_segments,
+    span_sinks,
+)
 from minipic.engine_ext.holes import worker_positions
 from minipic.span_contract.errors import EngineIntegrationError
 from minipic.span_contract.span_config import SpanConfig, spans_opted_in
@@ -97,9 +103,10 @@ class SpanView:
 
     * ``key_start[t]``: the first key query ``t`` may attend to (span isolation; None: 0 for
       every query, the stock fast path);
-    * rule 1 (docs/design.md §2): the layout tokens (SSEP, PDEP, PAD) are attended by no query
-      but their own and take no RoPE position. ``masked[r]`` says request row ``r`` has layout
-      tokens among its keys, so it needs a key mask; ``key_positions[r, j]`` is the logical
+    * rule 1 (docs/design.md §2): the layout tokens (SSEP, PDEP, PAD of the prompt; a generated
+      one is a real token) are attended by no query but their own and take no RoPE position.
+      ``masked[r]`` says request row ``r`` has layout tokens among its keys, so it needs a key
+      mask; ``key_positions[r, j]`` is the logical
       position of its key ``j`` (the count of real tokens before it; -1: a layout key) and
       ``query_shift[t]`` the logical minus the physical position of query ``t`` (the model
       rotated queries at vLLM's physical positions; attention moves them by this).
@@ -137,29 +144,53 @@ class _RowView:
     isolated: np.ndarray  # [q] bool
 
 
+def prompt_layout(tokens: np.ndarray, num_prompt_tokens: int, config: SpanConfig
+                  ) -> np.ndarray:
+    """Bool per token of ``tokens`` (a request's, from token 0): rule 1's layout tokens.
+
+    Only a prompt token can be layout (docs/design.md §2): the client lays out the prompt, the
+    model's output is the answer. A PAD / SSEP / PDEP id the model generates is a word of its
+    answer, a real token at its real position that every later query sees; hiding it would
+    make the answer's next tokens read a different text than the model wrote.
+    """
+    layout = np.isin(tokens, (config.ssep_id, config.pdep_id, config.pad_id))
+    layout[num_prompt_tokens:] = False
+    return layout
+
+
 def _row_view(tokens: np.ndarray, prompt: np.ndarray, layout: np.ndarray,
               positions: np.ndarray, config: SpanConfig, block_size: int) -> _RowView:
     """The span rules for one request: ``tokens`` are its keys (0 .. seq_len - 1), ``prompt``
-    its whole prompt (so every chunk finds the same sinks), ``positions`` its queries'.
+    its whole prompt and nothing after it (so every chunk finds the same sinks, and what the
+    model generates never makes one), ``layout`` :func:`prompt_layout` of ``tokens``,
+    ``positions`` its queries'.
+
+    Every rule reads the prompt only: layout, sinks and segments (a generated SSEP at a block
+    start opens no span); a generated token is a real token that attends to every real key
+    before it, as the question does (``span_segments.query_segments``).
 
     Positions (rule 1 and the sink): a real token sits at the number of real tokens before it,
     plus one constant per request: the sink's length when the request holds a sink, so that a
     span's sink, placed on the positions just before the span's first real token (where the
     span would follow the opening), never goes below 0.
     """
-    sink_index = span_sinks(prompt, block_size, config.ssep_id, config.sink_ids)
-    shift = len(config.sink_ids) if (sink_index >= 0).any() else 0
-    sink_index = sink_index[:tokens.shape[0]]
+    num_prompt = prompt.shape[0]
+    sink_index = np.full(tokens.shape[0], -1, dtype=np.int64)
+    in_prompt = span_sinks(prompt, block_size, config.ssep_id, config.sink_ids)
+    shift = len(config.sink_ids) if (in_prompt >= 0).any() else 0
+    head = min(num_prompt, tokens.shape[0])
+    sink_index[:head] = in_prompt[:head]
     sink = sink_index >= 0
     real = (~layout & ~sink).astype(np.int64)
     before = np.cumsum(real) - real  # real tokens before each token
     rope_at = np.where(sink, before + sink_index, before + shift)
     starts, isolated = block_segments(tokens[::block_size], config.ssep_id, config.pdep_id,
-                                      block_size)
-    blocks = positions // block_size
-    return _RowView(key_start=starts[blocks], query_shift=rope_at[positions] - positions,
+                                      block_size, num_prompt)
+    key_start, query_isolated = query_segments(starts, isolated, positions, block_size,
+                                               num_prompt)
+    return _RowView(key_start=key_start, query_shift=rope_at[positions] - positions,
                     key_positions=np.where(layout, -1, rope_at), sink=sink,
-                    isolated=isolated[blocks])
+                    isolated=query_isolated)
 
 
 def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -187,7 +218,6 @@ def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     req_ids = batch.req_ids
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    layout_ids = np.array([config.ssep_id, config.pdep_id, config.pad_id])
     holed = worker_positions.positions_with_holes(runner, query_start_loc, seq_lens)
     rows: dict[int, _RowView] = {}
     for row, seq_len in enumerate(lens):
@@ -200,12 +230,13 @@ def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         if q_len <= 0:
             continue
         tokens = batch.token_ids_cpu[row, :seq_len]
-        layout = np.isin(tokens, layout_ids)
+        num_prompt = int(batch.num_prompt_tokens[row])
+        layout = prompt_layout(tokens, num_prompt, config)  # generated tokens: never layout
         if not layout.any():
-            continue  # no SSEP either: no isolation, nothing to hide
+            continue  # no SSEP in the prompt either: no isolation, nothing to hide
         positions = (np.arange(seq_len - q_len, seq_len) if holed is None
                      else holed[qsl[row]:qsl[row + 1]].numpy())
-        prompt = batch.token_ids_cpu[row, :max(seq_len, int(batch.num_prompt_tokens[row]))]
+        prompt = batch.token_ids_cpu[row, :num_prompt]
         rows[row] = _row_view(tokens, prompt, layout, positions, config, block_size)
     if not rows:
         return view

@@ -19,6 +19,14 @@ miss (``engine_ext/holes/scheduler_lookup.py``).
 The sink (the model's opening copied after a span's SSEP, :func:`span_sinks`) lives inside its
 span's segment, so this rule also keeps every other segment from it; rule 1 hides it from the
 rows outside any span.
+
+**Markers are prompt tokens.** The client lays out the prompt, never the answer: a token the
+model generates is a real token whatever its id (docs/design.md §2). So a block whose first
+token was generated is never a marker block (``num_prompt_tokens``), and a generated token is
+never isolated: it attends causally to every real key before it, as the question does
+(:func:`query_segments`), even when the prompt ended inside a span. Were a generated SSEP at a
+block start a marker, the model could open a span of its own, whose KV the span hash would then
+name as if it were position independent.
 """
 
 from __future__ import annotations
@@ -27,32 +35,58 @@ import numpy as np
 
 
 def block_key_starts(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int,
-                     block_size: int) -> np.ndarray:
+                     block_size: int, num_prompt_tokens: int | None = None) -> np.ndarray:
     """``key_start`` (a token index) for every block, given the first token of each block.
 
     ``block_first_tokens[b]`` is token ``b * block_size`` of the request. Returns int64 of the
-    same length: the first key a query inside block ``b`` may attend to.
+    same length: the first key a query inside block ``b`` may attend to (a prompt token's: a
+    generated one's is 0, :func:`query_segments`). ``num_prompt_tokens``: the request's prompt
+    length, when the blocks reach past it (None: every token is prompt).
     """
-    return block_segments(block_first_tokens, ssep_id, pdep_id, block_size)[0]
+    return block_segments(block_first_tokens, ssep_id, pdep_id, block_size,
+                          num_prompt_tokens)[0]
 
 
 def block_segments(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int,
-                   block_size: int) -> tuple[np.ndarray, np.ndarray]:
+                   block_size: int, num_prompt_tokens: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """``(key_start, isolated)`` per block: :func:`block_key_starts`, and whether the block's
-    tokens belong to an SSEP-led segment (they attend only within it; ``key_start`` alone
-    cannot say so for a segment that starts at token 0)."""
-    led_by_ssep, last_marker = _segments(block_first_tokens, ssep_id, pdep_id)
+    (prompt) tokens belong to an SSEP-led segment (they attend only within it; ``key_start``
+    alone cannot say so for a segment that starts at token 0). A block that starts at or after
+    ``num_prompt_tokens`` starts with a generated token, which is never a marker."""
+    led_by_ssep, last_marker = _segments(block_first_tokens, ssep_id, pdep_id, block_size,
+                                         num_prompt_tokens)
     return np.where(led_by_ssep, last_marker * block_size, 0), led_by_ssep
 
 
-def _segments(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int
-              ) -> tuple[np.ndarray, np.ndarray]:
+def query_segments(block_key_start: np.ndarray, block_isolated: np.ndarray,
+                   positions: np.ndarray, block_size: int, num_prompt_tokens: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """``(key_start, isolated)`` per query at ``positions``, from :func:`block_segments`.
+
+    A prompt token takes its block's; a generated token (position ``>= num_prompt_tokens``) is
+    never isolated: it attends to every real key before it, as the question does, even after a
+    prompt that ended inside a span (docs/design.md §2). Why not the span's isolation: a span's
+    rule exists so that its KV depends on the span alone and can be reused anywhere; what the
+    model generates is no span anyone laid out or reuses, and the reference definition
+    (``minipic/tune/layout.py``) isolates only the spans of the prompt."""
+    blocks = positions // block_size
+    generated = positions >= num_prompt_tokens
+    return (np.where(generated, 0, block_key_start[blocks]),
+            np.where(generated, False, block_isolated[blocks]))
+
+
+def _segments(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int, block_size: int,
+              num_prompt_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(led_by_ssep, last_marker)`` per block: whether the segment holding it is SSEP-led,
-    and the block index of its last marker at or before it (-1: none)."""
+    and the block index of its last marker at or before it (-1: none). Only a block that
+    starts inside the prompt (before ``num_prompt_tokens``) can be a marker block."""
     firsts = np.asarray(block_first_tokens)
     idx = np.arange(firsts.shape[0], dtype=np.int64)
-    is_ssep = firsts == ssep_id
-    is_marker = is_ssep | (firsts == pdep_id)
+    in_prompt = (idx * block_size < num_prompt_tokens if num_prompt_tokens is not None
+                 else np.ones(idx.shape, dtype=bool))
+    is_ssep = (firsts == ssep_id) & in_prompt
+    is_marker = is_ssep | ((firsts == pdep_id) & in_prompt)
     last_marker = np.maximum.accumulate(np.where(is_marker, idx, -1)) if idx.size else idx
     led_by_ssep = (last_marker >= 0) & is_ssep[np.maximum(last_marker, 0)]
     return led_by_ssep, last_marker
@@ -64,8 +98,9 @@ def span_sinks(tokens: np.ndarray, block_size: int, ssep_id: int,
 
     A span's sink (docs/design.md §2) is the model's opening right after an SSEP at a block
     start: the ``len(sink_ids)`` tokens there, when they are exactly ``sink_ids``. A span without
-    them simply has no sink. ``tokens`` must reach past the last sink that a step may read (the
-    whole prompt), so that every chunk of a request sees the same sinks.
+    them simply has no sink. ``tokens`` must be the whole prompt, and only it: every chunk of a
+    request then sees the same sinks, and none is ever made of generated tokens (a generated
+    SSEP followed by the opening is no span, its tokens are real).
     """
     out = np.full(tokens.shape[0], -1, dtype=np.int64)
     size = len(sink_ids)

@@ -1,12 +1,12 @@
 """Model side of the position-free KV cache: keys reach the KV cache *unrotated*.
 
-Stock vLLM attention modules of the Llama family (Llama, Mistral, SmolLM2, ...) and Qwen2/Qwen3
-all do::
+Most of vLLM's decoder attention modules (Llama, Mistral, Qwen2/3 and their MoE variants,
+Mixtral, Granite, GLM-4, Gemma, ...) do::
 
     q, k = self.rotary_emb(positions, q, k)   # RoPE on q and k        (qwen3: after q/k-norm)
     attn_output = self.attn(q, k, v)          # k is written to the KV cache in here
 
-Rather than copying those forwards, we replace each supported module's ``rotary_emb`` attribute
+Rather than copying those forwards, we replace each fitting module's ``rotary_emb`` attribute
 (per instance; the shared ``get_rope`` module itself is untouched) with :class:`QueryOnlyRotary`,
 which rotates ``q`` with the very same module and hands ``k`` through unchanged. For Qwen3 that is
 the q/k-normed, unrotated key, as required. The original rotary module is given to the layer's
@@ -17,11 +17,13 @@ table.
 
 When: right after the model is constructed (we wrap the loader's ``initialize_model``), before
 weights are loaded and before any forward or torch.compile trace. A module is converted only if
-(a) its class is one we have checked, (b) its rotary module rotates by a plain table lookup at
+(a) its own ``forward`` is proven to have that shape (``engine_ext/attention/rotary_proof.py``:
+no class list to keep up), (b) its rotary module rotates by a plain table lookup at
 ``positions`` (RoPE variants that only change ``cos_sin_cache``: default, llama3, linear, NTK,
 yarn; not MRoPE, dual-chunk, Phi-3 long-rope, FoPE) and (c) its attention impl is a position-free
-backend that accepts it. Anything else keeps stock behaviour (rotated keys), logged once, so
-an unsupported model still runs correctly with PIC off.
+backend that accepts it. Anything else keeps stock behaviour (rotated keys), logged once with the
+reason, so an unsupported model still runs correctly with PIC off; its span requests are refused
+per request before they reach the worker (``engine_ext/vllm_surface/request_gate.py``).
 
 torch.compile: the swap is part of the traced model. vLLM's AOT compile cache key does not see
 plugin code by itself, so minipic puts its settings and a hash of its engine code into vLLM's
@@ -31,21 +33,14 @@ plugin code by itself, so minipic puts its settings and a hash of its engine cod
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 import torch
 
+from minipic.engine_ext.vllm_surface.added_names import ROTATED_KEYS_REASON_ATTR
+
 # Under "vllm." so that vLLM's log configuration (level, process prefix) applies in the worker.
 logger = logging.getLogger("vllm.minipic.unrotated_keys")
-
-# Attention classes whose forward is exactly "rotary_emb(positions, q, k) then attn(q, k, v)".
-# Subclasses are included (MistralAttention derives from LlamaAttention).
-SUPPORTED_ATTENTION = (
-    ("vllm.model_executor.models.llama", "LlamaAttention"),
-    ("vllm.model_executor.models.qwen2", "Qwen2Attention"),
-    ("vllm.model_executor.models.qwen3", "Qwen3Attention"),
-)
 
 _STATE: dict[str, Any] = {"installed": False, "converted": 0}
 
@@ -81,31 +76,42 @@ def table_lookup_rope(rope: Any) -> bool:
     ) and not getattr(rope, "use_flashinfer", False)
 
 
-def _supported_classes() -> tuple[type, ...]:
-    """The supported attention classes whose modules are already imported (by the model)."""
-    classes = []
-    for module_name, cls_name in SUPPORTED_ATTENTION:
-        module = sys.modules.get(module_name)
-        if module is not None and hasattr(module, cls_name):
-            classes.append(getattr(module, cls_name))
-    return tuple(classes)
+def _attention_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is one of vLLM's attention layers whose KV cache holds keys (recurrent
+    layers, also ``AttentionLayerBase``, hold state, not keys: ``engine_ext/recurrent``)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    return isinstance(module, AttentionLayerBase) and not isinstance(module, MambaBase)
 
 
 def convert_model(model: torch.nn.Module) -> int:
-    """Make every supported attention module of ``model`` pass keys unrotated.
+    """Make every attention module of ``model`` that provably fits pass keys unrotated.
 
+    A module fits when :mod:`rotary_proof` shows, on its own ``forward``, that RoPE is the last
+    thing done to q and k before its attention layer, its rotary module is a plain table lookup,
+    and the layer's backend accepts it (``rope_unsupported_reason``). Every other module that
+    owns an attention layer keeps stock rotated keys, with the reason kept on its layers
+    (:func:`refusal`; the model's verdict, ``integration_guard.worker_model_support``, names
+    the first).
     Returns how many modules were converted. Idempotent (a converted module is skipped).
     """
-    classes = _supported_classes()
+    from minipic.engine_ext.attention import rotary_proof
+
     converted, skipped = 0, {}
     for name, module in list(model.named_modules()):
-        attn = getattr(module, "attn", None)
-        rope = getattr(module, "rotary_emb", None)
-        if attn is None or rope is None or isinstance(rope, QueryOnlyRotary):
+        layers = [c for c in module.children() if _attention_layer(c)]
+        if not layers or any(isinstance(c, QueryOnlyRotary) for c in module.children()):
             continue
+        shape, reason = rotary_proof.prove(module)
+        if shape is None:
+            skipped[name] = reason
+            continue
+        rope = getattr(module, shape.rope_attr, None)
+        attn = getattr(module, shape.attn_attr, None)
         impl = getattr(attn, "impl", None)
-        if not classes or not isinstance(module, classes):
-            skipped[name] = f"attention class {type(module).__name__} not supported"
+        if attn is None or not _attention_layer(attn):
+            skipped[name] = f"self.{shape.attn_attr} is not a vLLM attention layer"
         elif not table_lookup_rope(rope):
             skipped[name] = f"rotary variant {type(rope).__name__} not supported"
         elif not getattr(impl, "position_free_capable", False):
@@ -113,20 +119,30 @@ def convert_model(model: torch.nn.Module) -> int:
         elif reason := impl.rope_unsupported_reason(rope):
             skipped[name] = reason
         else:
-            module.rotary_emb = QueryOnlyRotary(rope)
+            setattr(module, shape.rope_attr, QueryOnlyRotary(rope))
             impl.minipic_rope = rope
             converted += 1
     if skipped:
         first = next(iter(skipped.items()))
         logger.warning(
             "minipic: %d attention module(s) keep stock rotated keys, so spans cannot be reused "
-            "at new offsets there (first: %s: %s)", len(skipped), *first,
+            "at new offsets there; span requests are refused on this model (first: %s: %s)",
+            len(skipped), *first,
         )
     _STATE["converted"] += converted
+    for name, reason in skipped.items():  # on the layers themselves: one model's, not the process's
+        for layer in model.get_submodule(name).children():
+            if _attention_layer(layer):
+                layer.__dict__[ROTATED_KEYS_REASON_ATTR] = reason
     if converted:
         logger.info("minipic: %d attention module(s) store unrotated keys; RoPE on keys is "
                     "applied inside the attention backend", converted)
     return converted
+
+
+def refusal(layer: torch.nn.Module) -> str | None:
+    """Why ``layer`` (an attention layer) was left with rotated keys (None: not refused here)."""
+    return layer.__dict__.get(ROTATED_KEYS_REASON_ATTR)
 
 
 def converted_count() -> int:

@@ -30,6 +30,24 @@ PDEP block gets the salt in its extra keys; LoRA and multimodal keys are already
 Blocks with no special token at their start hash exactly as in stock vLLM, so a prompt without
 SSEP/PDEP gets the stock hashes (PIC off == stock vLLM).
 
+**Markers are prompt tokens** (docs/design.md §2). The client lays out the prompt, never the
+answer, so every rule above reads the prompt only: a block whose first token the model generated
+is never an SSEP or PDEP block, and a generated PAD / SSEP / PDEP is a real token (the worker
+neither hides it nor isolates anything after it, ``engine_ext/attention/span_segments.py``).
+Otherwise a decoded SSEP at a block start would restart the chain, and a decoded block be cached
+under a span-local hash, as if it were a span anyone could reuse at any offset. vLLM hashes the
+blocks it decodes too, so two more cases keep a hash naming its block's KV:
+
+* a block holding generated tokens inside an SSEP-led segment (a prompt that ended inside a
+  span): generated tokens attend to every real key of the prompt, not only the span's, so its
+  hash is ``H(g_{i-1}, x_i, extra_i + DECODED_TAG + (split,))``: the whole prefix, and where
+  generation began in the block (the tokens before it are the span's, isolated). So are the
+  blocks after it. Such blocks are no span blocks (:func:`span_chained_blocks`);
+* a generated token with a layout id is real there but hidden when the same tokens come back as
+  a prompt (a next turn), so a block holding one carries ``REAL_LAYOUT_TAG`` and the offsets of
+  those tokens, wherever the chain has left the stock one. Generated blocks without layout ids
+  hash as the same tokens would in a prompt, so a next turn still hits them.
+
 Opt-in: only a request that asked for span semantics (``extra_args["minipic_spans"]``, see
 ``span_contract.span_config.spans_opted_in``) gets SSEP/PDEP hashing; any other request gets the
 stock chain for every block, whatever its tokens are — a plain client whose text happens to
@@ -48,6 +66,31 @@ from minipic.span_contract.span_config import SpanConfig, spans_opted_in
 
 PDEP_TAG = ("minipic", "pdep")
 LAYOUT_TAG = ("minipic", "layout")
+DECODED_TAG = ("minipic", "decoded")  # + the index in the block of its first generated token
+REAL_LAYOUT_TAG = ("minipic", "real_layout")  # + the offsets of generated layout ids
+
+
+def prompt_length(request: Any) -> int:
+    """How many of ``request.all_token_ids`` are prompt (the rest the model generated).
+
+    ``prompt_token_ids`` first: vLLM's streaming-input update extends it (the kept output
+    becomes prompt) and rehashes before it sets ``num_prompt_tokens``.
+    """
+    prompt = getattr(request, "prompt_token_ids", None)
+    return len(prompt) if prompt is not None else request.num_prompt_tokens
+
+
+def _segment_marker(token_ids: Any, block_index: int, block_size: int, num_prompt: int,
+                    markers: tuple[int, int]) -> int | None:
+    """The marker (SSEP or PDEP id) leading the segment of block ``block_index``: the first
+    token of the last block at or before it that starts inside the prompt with a marker
+    (None: no marker so far)."""
+    last = min(block_index, (num_prompt - 1) // block_size)
+    for index in range(last, -1, -1):
+        first = token_ids[index * block_size]
+        if first in markers:
+            return first
+    return None
 
 
 def _with_salt(request: Any, extra_keys: tuple | None, start_token_idx: int) -> tuple | None:
@@ -115,6 +158,10 @@ def make_span_block_hasher(
         prev_full = full_chain[-1] if full_chain else None
         token_ids = request.all_token_ids
         span_semantics = spans_opted_in(getattr(request, "sampling_params", None))
+        # markers and layout are prompt tokens only (module docstring)
+        num_prompt = prompt_length(request)
+        segment = _segment_marker(token_ids, start // hash_block_size - 1, hash_block_size,
+                                  num_prompt, (ssep, pdep)) if span_semantics else None
         mm_idx = 0
         if start > 0 and request.mm_features:
             mm_idx, _ = kcu.get_mm_features_in_window(
@@ -126,9 +173,21 @@ def make_span_block_hasher(
             extra, mm_idx = kcu.generate_block_hash_extra_keys(request, start, end, mm_idx)
             block = token_ids[start:end]
             full = kcu.hash_block_tokens(caching_hash_fn, prev_full, block, extra)
-            first = block[0] if span_semantics else None
-            if first is None:
+            split = max(num_prompt - start, 0)  # the block's first generated token (if < bs)
+            # a generated first token is no marker
+            first = block[0] if span_semantics and split > 0 else None
+            if first in (ssep, pdep):
+                segment = first
+            # generated layout ids: real tokens here, hidden were they prompt
+            real = tuple(k for k in range(split, hash_block_size) if block[k] in layout)
+            real_tag = ((*REAL_LAYOUT_TAG, *real),) if real else ()
+            if not span_semantics:
                 pic = full
+            elif segment == ssep and split < hash_block_size:
+                # generated tokens after a prompt that ended inside a span: they attend to
+                # every real key of the prompt, so the hash covers the whole prefix
+                pic = kcu.hash_block_tokens(caching_hash_fn, prev_full, block,
+                                            (*(extra or ()), (*DECODED_TAG, split)))
             elif first == ssep:
                 salted = _with_salt(request, extra, start)
                 pic = kcu.hash_block_tokens(
@@ -137,13 +196,16 @@ def make_span_block_hasher(
             elif first == pdep:
                 salted = _with_salt(request, extra, start)
                 pic = kcu.hash_block_tokens(
-                    caching_hash_fn, prev_full, block, (*(salted or ()), PDEP_TAG)
+                    caching_hash_fn, prev_full, block, (*(salted or ()), PDEP_TAG, *real_tag)
                 )
             elif prev_pic == prev_full:  # no marker so far: the stock chain
-                pic = full if layout.isdisjoint(block) else kcu.hash_block_tokens(
-                    caching_hash_fn, prev_full, block, (*(extra or ()), LAYOUT_TAG))
+                # a prompt without layout tokens is computed as a plain one, whatever the
+                # model generates after it: the stock hash (shared with plain requests)
+                pic = full if layout.isdisjoint(block[:split]) else kcu.hash_block_tokens(
+                    caching_hash_fn, prev_full, block, (*(extra or ()), LAYOUT_TAG, *real_tag))
             else:
-                pic = kcu.hash_block_tokens(caching_hash_fn, prev_pic, block, extra)
+                pic = kcu.hash_block_tokens(caching_hash_fn, prev_pic, block,
+                                            (*(extra or ()), *real_tag) if real_tag else extra)
             full_chain.append(full)
             new_hashes.append(pic)
             prev_full, prev_pic = full, pic
@@ -160,21 +222,25 @@ def span_chained_blocks(request: Any, block_size: int, config: SpanConfig) -> li
     hash restarts at the SSEP block (salt and LoRA keys included), and span isolation makes
     their KV depend on their span's tokens alone. Those are the blocks a span store may keep
     under their hash; any other block's KV depends on the whole prefix. Same rule as
-    :func:`make_span_block_hasher`, derived from the tokens (False throughout for a request
-    that did not opt in).
+    :func:`make_span_block_hasher`, derived from the prompt's tokens: a block whose first token
+    was generated is no marker block, and a block holding generated tokens is never
+    span-chained (they attend to the whole prompt; its hash covers it). False throughout for a
+    request that did not opt in.
     """
     num_blocks = len(request.block_hashes)
     if not spans_opted_in(getattr(request, "sampling_params", None)):
         return [False] * num_blocks
     tokens = request.all_token_ids
+    num_prompt = prompt_length(request)
     flags, in_span = [], False
     for index in range(num_blocks):
-        first = tokens[index * block_size]
+        start = index * block_size
+        first = tokens[start] if start < num_prompt else None
         if first == config.ssep_id:
             in_span = True
         elif first == config.pdep_id:
             in_span = False
-        flags.append(in_span)
+        flags.append(in_span and start + block_size <= num_prompt)
     return flags
 
 

@@ -29,6 +29,8 @@ STEP_HOLES_ATTR = "_minipic_step_holes"  # GPUModelRunner: (total tokens, {row: 
 PENDING_HOLES_ATTR = "_minipic_pending_holes"  # GPUModelRunner: holes for the next arange
 
 # -- attention (engine_ext/attention) -------------------------------------------------------------
+# attention layer: why its module keeps stock rotated keys (unrotated_keys.convert_model)
+ROTATED_KEYS_REASON_ATTR = "_minipic_rotated_keys_reason"
 ROPE_ATTR = "minipic_rope"  # attention impl: the model's rotary module, keys rotated inside
 OFFSET_TABLES_ATTR = "_minipic_offset_tables"  # rotary module: cos/sin per slot offset
 
@@ -40,6 +42,8 @@ CHECKPOINT_POLICY_ATTR = "_minipic_ckpt"  # Scheduler and its KVCacheManager: th
 # -- the vLLM surface itself ----------------------------------------------------------------------
 PATCH_MARK_ATTR = "_minipic_patches"  # a wrapper or added method: frozenset "feature:target"
 PATCH_STOCK_ATTR = "_minipic_stock"  # a wrapper: vLLM's own value it wraps
+# EngineCore, AsyncLLM and LLMEngine: the model's position-free verdict (request_gate)
+MODEL_SUPPORT_ATTR = "_minipic_model_support"
 GUARD_ATTR = "_minipic_guard"  # GPUModelRunner/Worker: the integration guard of this worker
 PROFILE_MARK_ATTR = "_minipic_step_profile"  # a profiled function: its timer is installed
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from minipic.engine_ext.vllm_surface.added_names import GUARD_ATTR
 from minipic.span_contract.errors import EngineIntegrationError
+from minipic.span_contract.model_support import ModelSupport
 from minipic.span_contract.span_config import spans_opted_in
 
 TARGET = "vllm.v1.worker.gpu_worker:Worker.execute_model"
@@ -92,26 +93,62 @@ def runner_problems(runner: Any) -> list[str]:
     return []
 
 
-def layer_problems(vllm_config: Any) -> list[str]:
-    """Decoder attention layers that would not read keys position-free (empty: all do)."""
-    from vllm.model_executor.layers.attention.attention import Attention
+def _kv_attention_layers(vllm_config: Any) -> dict[str, Any]:
+    """The model's decoder attention layers that cache keys (every kind: MLA too; recurrent
+    layers hold state, not keys)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.v1.attention.backend import AttentionType
 
     layers = vllm_config.compilation_config.static_forward_context
-    bad = []
+    return {name: layer for name, layer in layers.items()
+            if isinstance(layer, AttentionLayerBase) and not isinstance(layer, MambaBase)
+            and getattr(layer, "attn_type", AttentionType.DECODER) == AttentionType.DECODER}
+
+
+def _layer_reasons(vllm_config: Any) -> tuple[int, dict[str, str]]:
+    """``(attention layers, {layer: why it is not position-free})``."""
+    from minipic.engine_ext.attention import unrotated_keys
+
+    layers = _kv_attention_layers(vllm_config)
+    bad = {}
     for name, layer in layers.items():
-        if not isinstance(layer, Attention) or layer.attn_type != AttentionType.DECODER:
-            continue
         impl = getattr(layer, "impl", None)
+        why = unrotated_keys.refusal(layer)
         if not getattr(impl, "position_free_capable", False):
-            bad.append(f"{name}: attention impl {type(impl).__name__} is not minipic's "
-                       f"position-free backend")
+            bad[name] = (f"{type(layer).__name__} with attention impl {type(impl).__name__}, "
+                         f"not minipic's position-free backend" + (f" ({why})" if why else ""))
         elif getattr(impl, "minipic_rope", None) is None:
-            bad.append(f"{name}: keys are stored rotated (the model was not converted to "
-                       f"unrotated keys; see the 'keep stock rotated keys' warning)")
+            bad[name] = why or ("keys are stored rotated (the module owning this layer was not "
+                                "converted to unrotated keys)")
+    return len(layers), bad
+
+
+def layer_problems(vllm_config: Any) -> list[str]:
+    """Decoder attention layers that would not read keys position-free (empty: all do)."""
+    _, bad = _layer_reasons(vllm_config)
     if bad:
-        return [f"{len(bad)} attention layer(s) not position-free, first: {bad[0]}"]
+        first = next(iter(bad.items()))
+        return [f"{len(bad)} attention layer(s) not position-free, first: {first[0]}: {first[1]}"]
     return []
+
+
+def worker_model_support(worker: Any) -> ModelSupport:
+    """This worker's verdict: position-free iff its runner goes through the isolation hook and
+    every attention layer stores unrotated keys (what :meth:`StepGuard.check_static` demands of
+    an opted-in step, asked before any request instead of at one)."""
+    worker = getattr(worker, "worker", worker)  # collective_rpc hands callables the wrapper
+    count, bad = _layer_reasons(worker.vllm_config)
+    problems = runner_problems(getattr(worker, "model_runner", None))
+    if problems:
+        return ModelSupport(False, problems[0], count, count - len(bad))
+    if not count:
+        return ModelSupport(False, "the model has no attention layer that caches keys")
+    if bad:
+        name, why = next(iter(bad.items()))
+        return ModelSupport(False, f"{len(bad)} of {count} attention layers keep rotated keys; "
+                                   f"first {name}: {why}", count, count - len(bad))
+    return ModelSupport(True, None, count, count)
 
 
 def install() -> None:

@@ -60,6 +60,7 @@ from minipic.span_contract.engine_utilities import (  # noqa: E402
     SPAN_STORE_STATS_UTILITY,
 )
 from minipic.span_contract.errors import EngineIntegrationError  # noqa: E402  (re-exported)
+from minipic.span_contract.model_support import MODEL_SUPPORT_UTILITY  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,24 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                "step's requests: where engine_ext/vllm_surface/integration_guard.py proves, at an "
                "opted-in "
                "request's first step, that span isolation and position-free attention run"),
+    PatchPoint("rope", "vllm.v1.engine.async_llm:AsyncLLM.add_request",
+               ("self", "request_id", "prompt", "params", "arrival_time", "lora_request",
+                "tokenization_kwargs", "trace_headers", "priority", "data_parallel_rank",
+                "session_id", "prompt_text", "reasoning_ended", "reasoning_parser_kwargs",
+                "kv_hints"),
+               "a span request on a model that is not position-free must be a 400 in the "
+               "front-end (engine_ext/vllm_surface/request_gate.py), not an engine that stops "
+               "for every user; no request-validation hook sees the engine's verdict"),
+    PatchPoint("rope", "vllm.v1.engine.llm_engine:LLMEngine.add_request",
+               ("self", "request_id", "prompt", "params", "arrival_time", "lora_request",
+                "tokenization_kwargs", "trace_headers", "priority", "session_id",
+                "prompt_text", "kv_hints"),
+               "the same refusal for LLM (request_gate.py)"),
+    PatchPoint("rope", "vllm.v1.engine.core:EngineCore." + MODEL_SUPPORT_UTILITY,
+               ("engine_core",),
+               "whether every worker's attention layers are position-free, asked of the "
+               "EngineCore by name by the front-ends (request_gate.py)",
+               kind="adds"),
     PatchPoint("rope", "vllm.v1.worker.cpu_worker:CPUWorker.determine_available_memory",
                ("self",),
                "the key shadow's share must come out of the configured KV space",

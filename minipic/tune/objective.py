@@ -44,6 +44,12 @@ class Example:
     layout_ids: tuple[int, ...] = ()  # the student's SSEP / PDEP / PAD (rule 1 hides them)
     sink_ids: tuple[int, ...] = ()  # the opening each of its spans carries (its sink)
 
+    @property
+    def student_prompt_len(self) -> int:
+        """Where ``A`` starts in ``student_ids``: rule 1 reads the prompt only, so a layout id
+        the teacher answered with is a real token (docs/design.md §2), as in the engine."""
+        return len(self.student_ids) - len(self.answer)
+
 
 def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
@@ -94,12 +100,14 @@ def layout_ids_of(builder: Any) -> tuple[int, int, int]:
 
 def log_probs(model: Any, ids: Sequence[int], keep: int,
               runs: Sequence[tuple[int, ...]] = (),
-              layout_ids: Sequence[int] = (), sink_ids: Sequence[int] = ()) -> torch.Tensor:
+              layout_ids: Sequence[int] = (), sink_ids: Sequence[int] = (),
+              prompt_len: int | None = None) -> torch.Tensor:
     """``[keep, vocab]`` next-token log-probs at the last ``keep`` positions of ``ids``, under
     the block mask of ``runs`` with ``layout_ids`` hidden and each span's ``sink_ids`` seen by
-    that span only (``()``, ``()``: plain causal attention)."""
+    that span only (``()``, ``()``: plain causal attention). ``prompt_len``: ``ids`` from there
+    on is the answer, whose layout ids are real tokens (``layout.layout_view``)."""
     device = model.device
-    allowed, positions = layout_view(ids, runs, layout_ids, sink_ids)
+    allowed, positions = layout_view(ids, runs, layout_ids, sink_ids, prompt_len)
     mask = additive_mask(allowed, model.dtype)
     out = model(input_ids=torch.tensor([list(ids)], device=device),
                 attention_mask=mask.to(device),
@@ -127,7 +135,8 @@ def distillation_loss(model: Any, ex: Example, target: torch.Tensor,
     why: tuning for the block mask moves the model's full-attention answers too, and a user
     serves both kinds of request from one model; this term holds the plain ones in place at
     the cost of a second forward pass."""
-    student = log_probs(model, ex.student_ids, ex.shared, ex.runs, ex.layout_ids, ex.sink_ids)
+    student = log_probs(model, ex.student_ids, ex.shared, ex.runs, ex.layout_ids, ex.sink_ids,
+                        ex.student_prompt_len)
     loss = kl_rows(target, student).mean()
     if keep_full:
         plain = log_probs(model, ex.teacher_ids, ex.shared)

@@ -73,10 +73,16 @@ async def _error(send: Send, status: int, message: str, param: str | None,
     await send_error(send, status, message, kind, param)
 
 
-def _rewrite(route: str, body: dict[str, Any], ids: list[int], key: str) -> dict[str, Any]:
+def _rewrite(route: str, body: dict[str, Any], ids: list[int], key: str,
+             opt_in: bool = True) -> dict[str, Any]:
+    """The body vLLM answers: the laid-out ids in place of the documents, opted in to span
+    semantics unless the layout is the plain prompt (a model that is not position-free)."""
     out = {k: v for k, v in body.items() if k not in (MINIPIC_KEY, DOCUMENTS_KEY)}
     xargs = dict(out.get("vllm_xargs") or {})
-    xargs[SPANS_OPT_IN_KEY] = True
+    if opt_in:
+        xargs[SPANS_OPT_IN_KEY] = True
+    else:
+        xargs.pop(SPANS_OPT_IN_KEY, None)
     if route == "chat":
         xargs[chat_render.LAYOUT_KEY] = key
     else:
@@ -202,7 +208,7 @@ class DocumentsMiddleware:
             return
         key = uuid.uuid4().hex
         new_body = json.dumps(_rewrite(route, body, prepared.prompt.prompt_token_ids,
-                                       key)).encode()
+                                       key, prepared.opt_in)).encode()
         if route == "chat":
             chat_render.LAYOUTS[key] = prepared.prompt.prompt_token_ids
         try:

@@ -12,11 +12,18 @@ go straight to the engine: the interleaving of the SDK's ISPS, per request inste
 
 What the registry may get wrong (a span evicted since) costs speed only: the final then computes
 that span inside itself, isolated (the engine guarantees it), and leaves it cached again.
+
+On a model that is not position-free (``span_contract.model_support``) the documents are laid out
+as the plain prompt (``prefix`` mode: no markers, no prefills, stock prefix caching) and sent
+without the span opt-in: the answer is exactly the plain prompt's, the response's ``minipic``
+object says ``fallback`` with the reason, and the server logs it once. A user who sent documents
+gets an answer; span caching is what the model cannot have.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +36,7 @@ from minipic.orchestrator.errors import BadInputError, MinipicError, from_build_
 from minipic.orchestrator.kv_usage import KVUsageMonitor
 from minipic.prompt_builder import BuiltPrompt, PromptBuilder, PromptBuildError
 from minipic.serving.documents.bodies import DocumentsRequest
+from minipic.span_contract.model_support import ModelSupport
 from minipic.span_contract.span_config import SpanConfig
 
 logger = logging.getLogger("minipic.documents")
@@ -78,13 +86,16 @@ class Prepared:
 
     prompt: BuiltPrompt
     evidence: dict[str, Any]
+    opt_in: bool = True  # False: the plain prompt on a model that is not position-free
 
 
 class ServerSide:
     """Lays out and prefills documents requests for one API server."""
 
     def __init__(self, engine_client: Any, model_dir: str, max_model_len: int,
-                 span_config: SpanConfig) -> None:
+                 span_config: SpanConfig, support: ModelSupport | None = None) -> None:
+        self.support = support or ModelSupport(True)
+        self._fallback_logged = False
         backend = ServerEngineBackend(engine_client, model_dir, max_model_len, span_config)
         self.orchestrator = Orchestrator(backend, layout_builder(model_dir, span_config,
                                                                  max_model_len))
@@ -99,12 +110,22 @@ class ServerSide:
                 "spans_believed_warm": len(self.orchestrator.registry)}
 
     def build(self, request: DocumentsRequest) -> BuiltPrompt:
+        if not self.support.position_free:
+            request = dataclasses.replace(request, mode="prefix")
         return layout(self.orchestrator.builder, request)
 
     async def prepare(self, request: DocumentsRequest) -> Prepared:
         loop = asyncio.get_running_loop()
         prompt = await loop.run_in_executor(self._layout_thread, self.build, request)
         self.requests += 1
+        if not self.support.position_free:
+            if not self._fallback_logged:
+                self._fallback_logged = True
+                logger.warning("minipic: documents are answered as plain prompts on this model "
+                               "(%s)", self.support.reason)
+            out = evidence(prompt, set(), 0, None)
+            out["fallback"] = {"served_as": "plain prompt", "reason": self.support.reason}
+            return Prepared(prompt, out, opt_in=False)
         registry = self.orchestrator.registry
         warm = {key for key in prompt.prefill_keys if (request.cache_salt, key) in registry}
         error = None

@@ -336,7 +336,7 @@ def _off_reference(ref, prompt, token_ids: list[int]) -> list[tuple[int, float]]
     fp32 noise of another batch composition may flip them, and does not make KV wrong."""
     spans = [(s.start, s.end) for s in prompt.spans if s.kind == "span"]
     ids = list(prompt.prompt_token_ids)
-    logprobs = ref.logprobs(ids + token_ids, spans)
+    logprobs = ref.logprobs(ids + token_ids, spans, prompt_len=len(ids))
     off = []
     for step, token in enumerate(token_ids):
         row = logprobs[len(ids) - 1 + step]
@@ -401,6 +401,7 @@ def test_fresh_orchestrator_sends_no_prefill_for_indexed_spans(indexed: Indexed)
         assert split is not None, (fresh.token_ids, stored.token_ids)
         head = stored.token_ids[:split]
         row = ref.logprobs(list(prompt.prompt_token_ids) + head,
-                           [(s.start, s.end) for s in prompt.spans if s.kind == "span"])[-1]
+                           [(s.start, s.end) for s in prompt.spans if s.kind == "span"],
+                           prompt_len=len(prompt.prompt_token_ids))[-1]
         gap = abs(float(row[stored.token_ids[split]] - row[fresh.token_ids[split]]))
         assert gap < NEAR_TIE, f"outputs differ at step {split} (seed={indexed.seed})"

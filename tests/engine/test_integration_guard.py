@@ -7,7 +7,10 @@ run on this CPU build, so the bypass is forced the way a vLLM change would make 
 extension (``tests/support/guard_sabotage.py``, imported by vLLM in the worker after the plugin)
 gives the CPU runner its own metadata build, or puts vLLM's stock attention backend back. Each
 engine: a plain request is answered (stock semantics need none of this), then the first opted-in
-request stops the engine with ``EngineIntegrationError`` and is not answered.
+request is not answered: where the worker's verdict shows the bypass before any step (a runner
+override, a foreign backend) it is refused in the front-end and the engine keeps serving
+(``request_gate.py``); a bypass only a step can reveal (a forged patch mark) stops the engine with
+``EngineIntegrationError``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,13 @@ if __name__ == "__main__":
                            use_tqdm=False)
         print("ANSWERED", out[0].outputs[0].token_ids, flush=True)
     except Exception as exc:
-        print("REFUSED", type(exc).__name__, flush=True)
+        print("REFUSED", type(exc).__name__, str(exc).replace("\n", " "), flush=True)
+    try:
+        again = llm.generate([{"prompt_token_ids": laid.prompt_token_ids}],
+                             SamplingParams(**greedy), use_tqdm=False)
+        print("STILL UP", again[0].outputs[0].token_ids, flush=True)
+    except Exception as exc:
+        print("DOWN", type(exc).__name__, flush=True)
     try:
         close_llm(llm)
     finally:
@@ -64,8 +73,12 @@ if __name__ == "__main__":
 SABOTAGE = {
     "runner-override": "overrides _build_attention_metadata",
     "forged-mark": "built outside GPUModelRunner._build_attention_metadata",
-    "foreign-backend": "is not minipic's position-free backend",
+    "foreign-backend": "not minipic's position-free backend",
 }
+# What the worker's verdict can see before any step (engine_ext/vllm_surface/request_gate.py):
+# refused in the front-end, per request, the engine still up. A forged patch mark passes the
+# static check; only the run-time check in the worker catches it, and stops the engine.
+REFUSED_IN_FRONT = {"runner-override", "foreign-backend"}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +114,13 @@ def test_bypassed_hook_refuses_opted_in_requests(mode: str, sabotaged_engines) -
     tail = f"(seed={seed})\n" + stdout[-2000:] + stderr[-6000:]
     assert "PLAIN" in stdout, tail  # plain requests are served as stock vLLM
     assert "ANSWERED" not in stdout and "REFUSED" in stdout, tail
-    logs = stdout + stderr  # the worker's traceback goes through vLLM's logger
-    assert "EngineIntegrationError" in logs and SABOTAGE[mode] in logs, tail
+    refusal = next(line for line in stdout.splitlines() if line.startswith("REFUSED"))
+    if mode in REFUSED_IN_FRONT:
+        assert "VLLMValidationError" in refusal and SABOTAGE[mode] in refusal, tail
+        assert "STILL UP" in stdout, tail  # one refused request leaves the engine serving
+    else:
+        logs = stdout + stderr  # the worker's traceback goes through vLLM's logger
+        assert "EngineIntegrationError" in logs and SABOTAGE[mode] in logs, tail
 
 
 def _output(new: list[tuple[str, bool]] = (), scheduled: dict[str, int] | None = None,

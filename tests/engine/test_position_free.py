@@ -12,7 +12,8 @@ What is shown, and why it matters:
   (``selective@1``) it equals the plain prompt (SmolLM2, the default model).
 * One cached span read at two offsets by two requests in the same batch: both correct, with no
   block copies (one physical block per hash) and nothing rewritten in the cache.
-* Qwen3 (q/k-norm before RoPE): the normed, unrotated key is what gets cached.
+* Other families (Qwen3's q/k norm before RoPE, MoE, Granite, GLM-4, ...):
+  ``tests/engine/test_model_families_*.py``.
 * The failure the design prevents: span hashing with stock (rotated-key) attention reuses the
   span at the wrong positions and is far from the reference.
 * The backend's three read paths (home / scratch / pure torch; fp32 and bf16) and the CUDA
@@ -116,6 +117,109 @@ def test_same_span_two_offsets_one_batch(engines, tiny_reference, seed) -> None:
         assert err < REFERENCE_TOL, f"off by {err:.2e} at spans {prompt.spans} (seed={seed})"
 
 
+def test_generated_tokens_are_never_layout(engines, tiny_reference, seed) -> None:
+    """Rule 1 and the span rules read the prompt only (docs/design.md §2): a token the model
+    generates is a real token at its real position, attending to every real key as the
+    question does, whatever its id. Forced with ``logit_bias`` in one batch of opted-in
+    requests whose prompts hold spans:
+
+    * A decodes PADs after its question: each must be seen by the next query and take a
+      position (read as layout it would vanish, and a PAD query would see only itself);
+    * B's prompt ends at a block end, so it decodes an SSEP at a block start, then more: read
+      as layout, that SSEP would also start an isolated segment;
+    * C's prompt ends inside a span (no question): what it decodes leaves the span's
+      isolation and attends to every real key before it, the system span's included.
+
+    Each is compared with the reference teacher-forced on the engine's own tokens, which
+    treats the output as real tokens outside any span (``prompt_len``)."""
+    from support.pic_reference import pad_span, reference_error
+
+    llm = engines.get("tiny_pic")
+    cfg = llm.minipic_settings.span_config
+    rng = random.Random(seed)
+    vocab = tiny_reference.vocab_size
+    a = random_prompt(llm, rng, vocab, [20, 45, 30])  # 128 span tokens + PDEP + 12: mid-block
+    b = prompt_over(llm, rng, vocab, random_bodies(llm, rng, vocab, [20, 45, 30]),
+                    question_len=2 * cfg.block_size - 1)  # ends at a block end
+    assert len(a.token_ids) % cfg.block_size and not len(b.token_ids) % cfg.block_size
+    sys_body, body = random_bodies(llm, rng, vocab, [10, 40])
+    system = pad_span(cfg, sys_body)
+    c_ids = system + [cfg.ssep_id, *body]  # a span left open: no PAD, no question
+    c_spans = [(0, len(system)), (len(system), len(c_ids))]
+    force = {"A": {cfg.pad_id: 100.0}, "B": {cfg.ssep_id: 100.0}, "C": None}
+    params = [pic_sampling(max_tokens=8, logprobs=10, ignore_eos=True, logit_bias=bias)
+              for bias in force.values()]
+    outs = generate(llm, [a.token_ids, b.token_ids, c_ids], params)
+
+    assert set(outs[0].outputs[0].token_ids) == {cfg.pad_id}, f"seed={seed}"
+    assert set(outs[1].outputs[0].token_ids) == {cfg.ssep_id}, f"seed={seed}"
+    errors = {name: reference_error(out, ids, spans, tiny_reference)
+              for name, out, ids, spans in (("A", outs[0], a.token_ids, a.spans),
+                                            ("B", outs[1], b.token_ids, b.spans),
+                                            ("C", outs[2], c_ids, c_spans))}
+    off = {name: f"{err:.2e}" for name, err in errors.items() if not err < REFERENCE_TOL}
+    assert not off, f"off the reference by {off} (seed={seed})"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("open_span", [False, True], ids=["question", "open-span"])
+def test_worker_span_rules_read_the_prompt_only(open_span: bool, seed) -> None:
+    """The worker's rules for one request (``span_isolation._row_view``), written out as a
+    mask and positions, equal the reference definition (``minipic/tune/layout.py``) on a
+    prompt that holds a system prompt with pads, a span with a sink and a question (or a span
+    left open), followed by generated tokens that carry every layout id, an SSEP at a block
+    start included: those are real tokens, never isolated."""
+    import numpy as np
+
+    from minipic.engine_ext.attention.span_isolation import _row_view, prompt_layout
+    from minipic.span_contract.span_config import SpanConfig
+    from minipic.tune.layout import layout_view
+
+    bs = 8
+    cfg = SpanConfig(block_size=bs, ssep_id=5, pdep_id=11, pad_id=16, sink_ids=(3, 4))
+    rng = random.Random(seed)
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(100, 1000) for _ in range(n)]
+
+    system = words(5) + [cfg.pad_id] * 3
+    span = [cfg.ssep_id, *cfg.sink_ids, *words(7)]  # 10 tokens: 1.25 blocks
+    span += [cfg.pad_id] * (-len(span) % bs)
+    if open_span:  # the prompt ends inside a second span, mid-block
+        prompt = system + span + [cfg.ssep_id, *words(4)]
+        spans = [(len(system), len(system) + len(span)), (len(system) + len(span), len(prompt))]
+    else:  # a question whose last token ends a block
+        prompt = system + span + [cfg.pdep_id, *words(bs - 1)]
+        spans = [(len(system), len(system) + len(span))]
+    tail = -len(prompt) % bs
+    generated = words(tail) + [cfg.ssep_id, *cfg.sink_ids, cfg.pad_id, *words(2), cfg.pdep_id,
+                               cfg.pad_id, *words(3)]
+    assert (len(prompt) + tail) % bs == 0  # the generated SSEP sits at a block start
+    tokens = np.array(prompt + generated)
+    n, num_prompt = len(tokens), len(prompt)
+    view = _row_view(tokens, tokens[:num_prompt], prompt_layout(tokens, num_prompt, cfg),
+                     np.arange(n), cfg, bs)
+
+    allowed_ref, positions_ref = layout_view(tokens.tolist(), spans,
+                                             (cfg.ssep_id, cfg.pdep_id, cfg.pad_id),
+                                             cfg.sink_ids, prompt_len=num_prompt)
+    j = torch.arange(n)
+    key_start = torch.from_numpy(view.key_start)
+    shown = torch.from_numpy(view.key_positions) >= 0
+    sink = torch.from_numpy(view.sink)
+    isolated = torch.from_numpy(view.isolated)
+    allowed = (j[None, :] <= j[:, None]) & (j[None, :] >= key_start[:, None])
+    allowed &= (shown & ~sink)[None, :] | (sink[None, :] & isolated[:, None])
+    allowed &= shown[:, None]
+    allowed |= torch.eye(n, dtype=torch.bool)
+    assert torch.equal(allowed, allowed_ref), f"seed={seed}"
+    logical = torch.from_numpy(view.query_shift) + j  # each query's position, = its key's
+    real = shown.clone()
+    assert torch.equal(logical[real], positions_ref[real]), f"seed={seed}"
+    assert torch.equal(torch.from_numpy(view.key_positions)[real], positions_ref[real])
+    assert shown[num_prompt:].all() and not sink[num_prompt:].any()  # generated: all real
+
+
 def test_span_hashing_without_position_free_cache_is_wrong(engines, tiny_reference,
                                                            seed) -> None:
     """The failure the design exists to prevent: rotated keys reused at a new offset."""
@@ -129,51 +233,6 @@ def test_span_hashing_without_position_free_cache_is_wrong(engines, tiny_referen
     assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"  # reuse did happen
     err = prompt_error(out, prompt, tiny_reference)
     assert err > WRONG_MIN, f"expected a large mismatch, got {err:.2e} (seed={seed})"
-
-
-def _tiny_qwen3(folder: str) -> str:
-    """A 2-layer random Qwen3 (per-head q/k RMSNorm before RoPE) with SmolLM2's tokenizer."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    from minipic.span_contract.models import default_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = Qwen3ForCausalLM(config)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            # Non-trivial norm weights, so a key stored before q/k-norm would be caught.
-            scale = (1.0, 0.2) if "norm" in name else (0.0, 0.05)
-            param.copy_(scale[0] + scale[1] * torch.randn(param.shape, generator=gen))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def test_qwen3_normed_unrotated_keys(tmp_path_factory, seed) -> None:
-    """Qwen3 applies q/k-norm before RoPE: the cache must hold the normed, unrotated key."""
-    from minipic.span_contract.engine_config import EngineSettings, build_llm, close_llm
-
-    folder = _tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3")))
-    llm = build_llm(EngineSettings(model=folder, pic=True, max_model_len=2048))
-    try:
-        reference = PicReference(folder)
-        rng = random.Random(seed)
-        vocab = reference.vocab_size
-        prompt = random_prompt(llm, rng, vocab, [20, 45, 30])
-        _warm(llm, [prompt])
-        (out,) = generate(llm, [prompt.token_ids], pic_sampling(logprobs=10))
-    finally:
-        close_llm(llm)
-    assert out.num_cached_tokens == prompt.span_tokens, f"seed={seed}"
-    err = prompt_error(out, prompt, reference)
-    assert err < REFERENCE_TOL, f"Qwen3 PIC prompt off by {err:.2e} (seed={seed})"
 
 
 # ------------------------------------------------------------------------------------------------

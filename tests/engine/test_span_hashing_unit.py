@@ -179,3 +179,66 @@ def test_block_hashes_set_without_the_full_chain_rebuild_it(hashers):
     for tok in ids[2 * BS + 5:]:
         req.append_output_token_ids(tok)
     assert req.block_hashes == make_request(ids, pic).block_hashes
+
+
+def _decoded(prompt: list[int], output: list[int], hasher):
+    """A request over ``prompt`` that then generated ``output`` (vLLM's decode path: each
+    output token appended, block hashes extended as blocks fill)."""
+    req = make_request(prompt, hasher)
+    for tok in output:
+        req.append_output_token_ids(tok)
+    return req
+
+
+def test_generated_markers_never_restart_the_chain(hashers):
+    """Markers are prompt tokens only (docs/design.md §2): an SSEP the model generates at a
+    block start does not restart the chain (its block's KV depends on the whole prompt, so a
+    span-local hash would let another prompt that merely ends in the same tokens hit it), and
+    a generated PDEP is no PDEP block. Blocks of generated tokens never hash like the same
+    tokens laid out in a prompt (there a PAD / SSEP / PDEP is hidden, or the tokens isolated)."""
+    from minipic.engine_ext.hashing.span_hashing import span_chained_blocks
+
+    _, pic = hashers
+    rng = random.Random()
+    prompt = span(1, rng) + [CFG.pdep_id] + plain_tokens(BS - 1, rng)  # ends at a block end
+    for marker in (CFG.ssep_id, CFG.pdep_id):
+        out = [marker] + plain_tokens(BS - 1, rng)
+        other = span(2, rng) + [CFG.pdep_id] + plain_tokens(BS - 1, rng)  # another prompt
+        mine, theirs = (_decoded(p, out, pic).block_hashes for p in (prompt, other))
+        assert len(mine) == 3 and mine[2] != theirs[3], marker  # no span-local hash
+        as_prompt = make_request(prompt + out, pic).block_hashes
+        assert mine[:2] == as_prompt[:2] and mine[2] != as_prompt[2], marker
+        flags = span_chained_blocks(_decoded(prompt, out, pic), BS, CFG)
+        assert flags == [True, False, False], marker
+    # a generated PAD in the question's segment: a real token there, hidden in a prompt
+    out = plain_tokens(5, rng) + [CFG.pad_id] + plain_tokens(BS - 6, rng)
+    clean = plain_tokens(BS, rng)
+    assert _decoded(prompt, out, pic).block_hashes[2] != make_request(
+        prompt + out, pic).block_hashes[2]
+    # generated tokens without layout ids keep the prompt's hash (a next turn reuses them)
+    assert _decoded(prompt, clean, pic).block_hashes == make_request(
+        prompt + clean, pic).block_hashes
+
+
+def test_generation_after_an_open_span_leaves_the_span_chain(hashers):
+    """A prompt that ends inside a span (no question): what the model generates attends to
+    every real key of the prompt, not only the span's, so the block that holds it (the span's
+    last, partly generated, and every later one) hashes over the whole prefix; the span's
+    prompt-only blocks keep their span-local hash."""
+    from minipic.engine_ext.hashing.span_hashing import span_chained_blocks
+
+    _, pic = hashers
+    rng = random.Random()
+    doc = span(1, rng) + plain_tokens(10, rng)  # a span's full block, then 10 of its tokens
+    out = plain_tokens(2 * BS - 10, rng)
+    systems = {"a": span(1, rng), "b": span(1, rng)}
+    hashes = {}
+    for name, system in systems.items():
+        req = _decoded(system + doc, out, pic)
+        hashes[name] = req.block_hashes
+        assert span_chained_blocks(req, BS, CFG) == [True, True, False, False], name
+    assert hashes["a"][1] == hashes["b"][1]  # the span's own block: span-local, shared
+    assert not set(hashes["a"][2:]) & set(hashes["b"][2:])  # the decoded ones: never
+    # and the same tokens laid out as a prompt (isolated in the span) hash otherwise
+    as_prompt = make_request(systems["a"] + doc + out, pic).block_hashes
+    assert as_prompt[:2] == hashes["a"][:2] and not set(hashes["a"][2:]) & set(as_prompt)

@@ -133,7 +133,7 @@ def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -
     # Two-pass reference: each body attends only within itself; heads, system and question
     # attend to everything before them.
     full = built.prompt_token_ids + list(out.outputs[0].token_ids)
-    ref = tiny_ref.logprobs(full, bodies)
+    ref = tiny_ref.logprobs(full, bodies, prompt_len=len(built.prompt_token_ids))
     err = max_logprob_error(out.outputs[0], len(built.prompt_token_ids), ref)
     assert err < REFERENCE_TOL, f"off the two-pass reference by {err:.2e} (seed={seed})"
 
@@ -148,7 +148,8 @@ def test_selective_same_output_whatever_the_cache_holds(engines, tiny_ref, seed)
     assert any(s.part == "head" for s in built.segments), f"share {share} (seed={seed})"
 
     def ref_error(out, ids, isolated) -> float:
-        ref = tiny_ref.logprobs(list(ids) + list(out.outputs[0].token_ids), isolated)
+        ref = tiny_ref.logprobs(list(ids) + list(out.outputs[0].token_ids), isolated,
+                                prompt_len=len(ids))
         return max_logprob_error(out.outputs[0], len(ids), ref)
 
     llm.reset_prefix_cache()

@@ -15,15 +15,17 @@ from support.pic_reference import PicPrompt, build_pic_prompt, random_ordinary_i
 
 
 def pic_sampling(max_tokens: int = 4, logprobs: int = 5, opt_in: bool = True,
-                 ignore_eos: bool = False) -> Any:
+                 ignore_eos: bool = False, logit_bias: dict[int, float] | None = None) -> Any:
     """Greedy ``SamplingParams`` returning top-``logprobs`` entries; ``opt_in``: the request asks
-    for span semantics (else it gets stock hashing and attention)."""
+    for span semantics (else it gets stock hashing and attention). ``logit_bias``: added to
+    those ids' logits at every step (forces a token); the logprobs returned stay the model's
+    raw ones (vLLM's ``raw_logprobs``), so they still compare with the reference."""
     from vllm import SamplingParams
 
     from minipic.span_contract.span_config import SPANS_OPT_IN_KEY
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
-                          ignore_eos=ignore_eos,
+                          ignore_eos=ignore_eos, logit_bias=logit_bias,
                           extra_args={SPANS_OPT_IN_KEY: True} if opt_in else None)
 
 

@@ -102,15 +102,17 @@ class PicReference:
 
     @torch.inference_mode()
     def logprobs(self, token_ids: Sequence[int], spans: Sequence[tuple[int, int]] = (),
-                 opted_in: bool = True) -> torch.Tensor:
+                 opted_in: bool = True, prompt_len: int | None = None) -> torch.Tensor:
         """``[len, vocab]`` log-softmax of the next-token logits at every position.
 
         ``spans=()`` with no layout token gives the plain causal model (what stock vLLM
         computes). ``opted_in=False``: a request that never opted in to span semantics, whose
-        layout tokens (if any) are ordinary tokens to the engine.
+        layout tokens (if any) are ordinary tokens to the engine. ``prompt_len``: the tokens
+        from there on are the engine's output (teacher forcing), which rule 1 never hides: a
+        generated SSEP / PDEP / PAD is a real token (None: all of ``token_ids`` is prompt).
         """
         allowed, positions = layout_view(token_ids, spans, self.layout_ids if opted_in else (),
-                                         self.sink_ids)
+                                         self.sink_ids, prompt_len)
         out = self.model(
             input_ids=torch.tensor([list(token_ids)]),
             attention_mask=additive_mask(allowed),
@@ -144,10 +146,12 @@ def reference_error(out: object, token_ids: Sequence[int], spans: Sequence[tuple
                     ref: PicReference, opted_in: bool = True) -> float:
     """``max_logprob_error`` of a vLLM ``RequestOutput`` for the prompt ``token_ids`` whose
     isolated spans are ``spans`` (``()``: the plain causal model), teacher-forced on the
-    engine's own tokens (``opted_in``: as in :meth:`PicReference.logprobs`)."""
+    engine's own tokens (``opted_in``: as in :meth:`PicReference.logprobs`; the engine's
+    tokens are output, never layout)."""
     completion = out.outputs[0]  # type: ignore[attr-defined]
     full = list(token_ids) + list(completion.token_ids)
-    return max_logprob_error(completion, len(token_ids), ref.logprobs(full, spans, opted_in))
+    return max_logprob_error(completion, len(token_ids),
+                             ref.logprobs(full, spans, opted_in, prompt_len=len(token_ids)))
 
 
 def prompt_error(out: object, prompt: PicPrompt, ref: PicReference) -> float:
