@@ -56,7 +56,7 @@ if __name__ == "__main__":
                            use_tqdm=False)
         print("ANSWERED", out[0].outputs[0].token_ids, flush=True)
     except Exception as exc:
-        print("REFUSED", type(exc).__name__, str(exc).replace("\n", " "), flush=True)
+        print("REFUSED", type(exc).__name__, " ".join(str(exc).split()), flush=True)
     try:
         again = llm.generate([{"prompt_token_ids": laid.prompt_token_ids}],
                              SamplingParams(**greedy), use_tqdm=False)
