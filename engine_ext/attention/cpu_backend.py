@@ -73,9 +73,16 @@ paths (``CPU_ATTN`` -> this module, ``CUSTOM`` -> ``engine_ext.attention.cuda_ba
 the model loader (``engine_ext.attention.unrotated_keys``). Both take effect only where a model is
 built: the worker.
 
+**Sliding windows** count real tokens (docs/design.md §2): a converted windowed layer keeps
+every block (``unrotated_keys`` gives vLLM a full-attention spec for it, since vLLM frees blocks by
+physical distance); plain requests (no layout tokens: logical = physical) run vLLM's kernel with
+the window as stock; span requests' masked rows apply it at logical positions (the kept copy is in
+logical order, so vLLM's kernel windows it right; the masked torch rows add it to their mask).
+Logit soft-capping is applied on every path the same way.
+
 Limitations: decoder self-attention only (other attention types and layers without a supported
-rotary module get stock behaviour); no sliding window, ALiBi, sinks, fp8 KV
-cache, MRoPE, DCP/PCP; speculative decoding positions are not verified.
+rotary module get stock behaviour); no ALiBi, sinks, fp8 KV cache, MRoPE, DCP/PCP; speculative
+decoding positions are not verified.
 """
 
 from __future__ import annotations
@@ -321,6 +328,9 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
 
     minipic_rope: torch.nn.Module | None = None
     position_free_capable: ClassVar[bool] = True
+    # a sliding window counts real tokens here (docs/design.md §2): span requests' masked rows
+    # apply it at logical positions, so the layer may keep every block (unrotated_keys)
+    logical_windows: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -330,18 +340,14 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         """Why this layer cannot take unrotated keys with ``rope`` (None: it can)."""
         if self.attn_type != AttentionType.DECODER:
             return f"attention type {self.attn_type}"
-        if self.sliding_window != -1:
-            return ("sliding window (vLLM drops blocks by physical slot, the layout rule counts "
-                    "real tokens: docs/design.md §2; not supported)")
         if self.alibi_slopes is not None or self.sinks is not None:
             return "ALiBi / attention sinks"
         if self.kv_cache_dtype != "auto":
             return f"kv_cache_dtype={self.kv_cache_dtype}"
         if self.kv_sharing_target_layer_name is not None:
             return "cross-layer KV sharing"
-        if self.logits_soft_cap:
-            # span requests' masked rows (attention/masked_rows.py) do not apply it
-            return "logit soft-capping (not applied to span requests' masked rows)"
+        if self.logits_soft_cap and self.path == "torch":
+            return "logits soft-cap with MINIPIC_CPU_ATTN=torch"
         if getattr(rope, "head_size", self.head_size) != self.head_size:
             return f"rotary head_size {rope.head_size} != {self.head_size}"
         return None
@@ -533,7 +539,8 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         _, layout, shift, rotate, pages, cap, kernel, kept = context
         rows = masked_rows.prepare(plan.masked, plan.home_slots, key_cache.shape[2], shift)
         masked_rows.attend(rows, query, pages, layout, rotate, kernel, self.scale, output, kept,
-                           cap)
+                           cap, window=max(self.sliding_window, 0),
+                           softcap=self.logits_soft_cap or 0.0)
 
     def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, block_table: torch.Tensor,
@@ -575,12 +582,13 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
 
 def _scheduler_metadata(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                         isa: str, kv_cache_dtype: str, qsl: torch.Tensor, seq_lens: torch.Tensor,
-                        causal: bool) -> torch.Tensor:
-    """vLLM's C++ kernel's work split for these rows (what every call of the kernel needs)."""
+                        causal: bool, window: int = -1) -> torch.Tensor:
+    """vLLM's C++ kernel's work split for these rows (what every call of the kernel needs);
+    ``window``: the layer's sliding window (-1: none), which the split skips keys by."""
     return ops.cpu_attn_get_scheduler_metadata(
         num_reqs=seq_lens.numel(), num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, seq_lens=seq_lens, dtype=dtype, query_start_loc=qsl, causal=causal,
-        sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        sliding_window_size=window, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
         kv_cache_dtype=kv_cache_dtype,
     )
 
@@ -591,6 +599,7 @@ class _LayerKernel:
 
     def __init__(self, impl: MinipicCPUAttentionImpl, layer: Any, dtype: torch.dtype) -> None:
         self.impl, self.layer, self.dtype = impl, layer, dtype
+        self.window = impl.sliding_window  # the schedule depends on it: one per window
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor,
               slots: torch.Tensor) -> None:
@@ -604,7 +613,7 @@ class _LayerKernel:
         impl = self.impl
         return _scheduler_metadata(impl.num_heads, impl.num_kv_heads, impl.head_size, self.dtype,
                                    self.layer.isa, impl.kv_cache_dtype, query_start_loc,
-                                   seq_lens, True)
+                                   seq_lens, True, impl.sliding_window)
 
     def attend(self, query: torch.Tensor, pages: torch.Tensor, query_start_loc: torch.Tensor,
                seq_lens: torch.Tensor, block_table: torch.Tensor, scheduler: torch.Tensor,

@@ -102,6 +102,8 @@ class PreparedRow:
     layout_keys: torch.Tensor  # [q_layout] int64: their own keys
     request: str | None  # the request, when it has this one row in the step (keys kept)
     home: torch.Tensor  # [ceil(n / bs)] int64: the home slot of each block
+    positions: torch.Tensor  # [n] int64: each key's logical position (-1: a layout key)
+    own: torch.Tensor  # [q] int64: each query's own key
     # the plain queries as the C++ kernel's rows over the kept copy: runs of consecutive real
     # keys; a run's keys are the copy's first ``seq_len`` (its last query's own key included)
     plain_qsl: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
@@ -155,7 +157,7 @@ def prepare(batch: MaskedBatch, home_slots: torch.Tensor, block_size: int, shift
             plain=is_plain.nonzero().flatten(), real_keys=real_keys,
             layout=is_layout.nonzero().flatten(), layout_keys=q_index[is_layout],
             request=batch.requests[r] if batch.requests else None, home=home,
-            plain_qsl=qsl_runs, plain_seq_lens=seq_lens_runs))
+            positions=logical, own=q_index, plain_qsl=qsl_runs, plain_seq_lens=seq_lens_runs))
     batch.derived[_PREPARED] = rows
     return rows
 
@@ -295,7 +297,7 @@ class KeptKeys:
     def attend(self, query: torch.Tensor, row: PreparedRow, rotate: Rotate, kernel: PagedKernel,
                output: torch.Tensor) -> None:
         """``output`` of the row's plain queries: vLLM's kernel over the copy's pages."""
-        key = ("attend", self.pages.shape[0])
+        key = ("attend", self.pages.shape[0], getattr(kernel, "window", -1))
         if key not in row.derived:
             table = torch.arange(self.pages.shape[0], dtype=torch.int32).expand(
                 row.plain_seq_lens.numel(), -1)
@@ -334,10 +336,15 @@ def _new_keys(row: PreparedRow, covered: int, count: int, block_size: int
 def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
            layout: PageLayout, rotate: Rotate, kernel: PagedKernel, scale: float,
            output: torch.Tensor, kept: dict[str, KeptKeys] | None = None,
-           kept_cap_bytes: int = 0) -> None:
+           kept_cap_bytes: int = 0, window: int = 0, softcap: float = 0.0) -> None:
     """One layer: ``kv_cache`` ``[blocks, heads, 2 * bs, D]`` is its cache; writes the
     ``output`` rows of every prepared row. ``kept``: this layer's kept keys by request (entries
-    of requests not in this step are dropped), at most ``kept_cap_bytes`` in all."""
+    of requests not in this step are dropped), at most ``kept_cap_bytes`` in all. ``window``:
+    the layer's sliding window in real tokens (0: none; a query at logical position ``p`` sees
+    keys at ``p - window < position <= p``, docs/design.md §2); ``softcap``: its logit
+    soft-cap (0: none). The kept copy's plain queries get both from vLLM's kernel, which
+    ``kernel`` binds to the layer: the copy holds real keys in logical order, so the kernel's
+    window over it is the window in real tokens."""
     heads = query.shape[1]
     kv_heads, d = kv_cache.shape[1], kv_cache.shape[3]
     bs = layout.block_size
@@ -357,6 +364,8 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
             output[row.queries[row.layout]] = own.repeat_interleave(
                 heads // kv_heads, dim=1).to(output.dtype)
         for which, lo, hi, mask in row.other_groups:
+            if window:
+                mask = _windowed(row, which, lo, hi, mask, window)
             first = lo // bs
             keys, values = token_rows(
                 layout, kv_cache.index_select(0, row.blocks[first:-(-hi // bs)]))
@@ -364,7 +373,7 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
             k = keys[at:at + hi - lo].contiguous()
             rotate(k, row.key_moves[lo:hi])
             _attend_rows(query, row, which, k, values[at:at + hi - lo], mask, rotate, scale,
-                         heads, output)
+                         heads, output, softcap)
         if not row.plain.numel():
             continue
         copy = None if kept is None or row.request is None else kept.get(row.request)
@@ -378,16 +387,32 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
         copy.attend(query, row, rotate, kernel, output)
 
 
+def _windowed(row: PreparedRow, which: torch.Tensor, lo: int, hi: int, mask: torch.Tensor,
+              window: int) -> torch.Tensor:
+    """``mask`` of a group of other queries narrowed to a sliding window in real tokens (one per
+    window and group, shared by the layers of that window)."""
+    key = ("window", window, lo, hi, id(which))
+    if key not in row.derived:
+        queries = row.positions[row.own[which]]
+        near = row.positions[lo:hi][None, :] > queries[:, None] - window
+        row.derived[key] = mask & near
+    return row.derived[key]
+
+
 def _attend_rows(query: torch.Tensor, row: PreparedRow, which: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, mask: torch.Tensor | None, rotate: Rotate, scale: float,
-                 heads: int, output: torch.Tensor) -> None:
-    """``output`` of the row's queries ``which`` over keys ``k`` (moved) and values ``v``."""
+                 heads: int, output: torch.Tensor, softcap: float = 0.0) -> None:
+    """``output`` of the row's queries ``which`` over keys ``k`` (moved) and values ``v``;
+    ``softcap``: the layer's logit soft-cap, ``c * tanh(s / c)`` of the scaled scores (0:
+    none), as vLLM's kernel applies it."""
     rows = row.queries[which]
     q = query[rows]  # a fresh tensor
     rotate(q, row.query_moves[which])
     kv_heads, d = k.shape[1], k.shape[2]
     q = q.float().view(-1, kv_heads, heads // kv_heads, d)
     scores = torch.einsum("thgd,jhd->hgtj", q, k.float()) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)

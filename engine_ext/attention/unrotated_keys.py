@@ -118,9 +118,14 @@ def convert_model(model: torch.nn.Module) -> int:
             skipped[name] = f"attention backend {type(impl).__name__} is not position-free"
         elif reason := impl.rope_unsupported_reason(rope):
             skipped[name] = reason
+        elif windowed(impl) and not getattr(impl, "logical_windows", False):
+            skipped[name] = (f"sliding window (backend {type(impl).__name__} cannot count it in "
+                             f"real tokens: docs/design.md §2)")
         else:
             setattr(module, shape.rope_attr, QueryOnlyRotary(rope))
             impl.minipic_rope = rope
+            if windowed(impl):
+                keep_every_block(attn)
             converted += 1
     if skipped:
         first = next(iter(skipped.items()))
@@ -138,6 +143,21 @@ def convert_model(model: torch.nn.Module) -> int:
         logger.info("minipic: %d attention module(s) store unrotated keys; RoPE on keys is "
                     "applied inside the attention backend", converted)
     return converted
+
+
+def windowed(impl: Any) -> bool:
+    """Whether an attention impl has a sliding window (vLLM's impls: -1 or None when not)."""
+    return getattr(impl, "sliding_window", None) not in (None, -1)
+
+
+def keep_every_block(attn: torch.nn.Module) -> None:
+    """Give vLLM a full-attention KV spec for a windowed layer whose impl counts the window in
+    real tokens: vLLM frees a windowed layer's blocks by *physical* distance, never shorter
+    than the logical one, so it would drop blocks a query still sees under the layout rule
+    (docs/design.md §2). The impl keeps its ``sliding_window`` and applies it in attention.
+    Costs the memory a window would save (the layer's blocks live as long as a full
+    attention layer's)."""
+    attn.sliding_window = None  # read by Attention.get_kv_cache_spec, after the model is built
 
 
 def refusal(layer: torch.nn.Module) -> str | None:

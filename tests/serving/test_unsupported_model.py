@@ -1,6 +1,7 @@
 """A model that is not position-free never takes the server down (issue 52).
 
-A real ``minipic serve`` on a tiny Gemma 2 (sliding-window layers: refused, docs/models.md). It
+A real ``minipic serve`` on a tiny OLMo 2 (run by vLLM's Transformers backend, whose attention
+rotates inside transformers' code: refused, docs/models.md). It
 says so at start and in ``GET /minipic/config``; then 100 requests, concurrently and mixed:
 raw span-opted-in completions (``vllm_xargs``) get a 400 naming the refused layer and why,
 plain completions answer, documents requests answer as the plain prompt (the response's
@@ -23,7 +24,7 @@ from support.servers import ServerProcess
 
 pytestmark = pytest.mark.server
 
-FAMILY = BY_NAME["Gemma 2"]
+FAMILY = BY_NAME["OLMo 2"]
 WORDS = "amber basalt cedar delta ember fjord granite harbor iris juniper kelp lumen".split()
 
 

@@ -8,7 +8,8 @@ For one family's tiny model (``support/model_families.py``), in one engine:
   equal the layout-rule transformers reference (``support/pic_reference.py``);
 * ``selective@1`` (every span token computed in context) equals the plain prompt;
 * a wrong reference, the layout tokens visible to every query, is told apart: the oracle can
-  fail.
+  fail; on a sliding-window model so are a window counted in physical slots and none at all
+  (the window counts real tokens, design §2; the prompts are longer than the window).
 
 Refused families get the refusal in the front-end instead, and a plain request still answers.
 """
@@ -67,11 +68,23 @@ def check_supported(llm: Any, family: Family, seed: int) -> None:
     for name, out in (("cold", cold), ("after another prompt", after_other), ("warm", warm)):
         err = prompt_error(out, target, ref)
         assert err < REFERENCE_TOL, f"{family.name} {name}: off by {err:.2e} (seed={seed})"
+    model = llm.minipic_settings.model
     visible = reference_error(warm, target.token_ids, target.spans,
-                              PicReference(llm.minipic_settings.model, layout_ids=()))
+                              PicReference(model, layout_ids=()))
     assert visible > WRONG_MIN, \
         f"{family.name}: the layout-visible reference is not told apart ({visible:.2e})"
+    if getattr(ref.model.config, "sliding_window", None):  # the window counts real tokens
+        for rule in ("physical", "none"):
+            wrong = reference_error(warm, target.token_ids, target.spans,
+                                    PicReference(model, window=rule))
+            assert wrong > WRONG_MIN, \
+                f"{family.name}: a window counted as {rule!r} is not told apart ({wrong:.2e})"
     _check_selective_one(llm, family, ref, rng, seed)
+    # a plain request (never opted in) is the stock causal model, past the window too
+    plain = random_bodies(llm, rng, vocab, [150])[0]
+    (out,) = generate(llm, [plain], pic_sampling(max_tokens=4, logprobs=10, opt_in=False))
+    err = reference_error(out, plain, (), ref, opted_in=False)
+    assert err < REFERENCE_TOL, f"{family.name} plain request: off by {err:.2e} (seed={seed})"
 
 
 def _check_selective_one(llm: Any, family: Family, ref: PicReference, rng: random.Random,

@@ -80,12 +80,16 @@ def random_ordinary_ids(rng: random.Random, n: int, vocab_size: int,
 class PicReference:
     """fp32 transformers model from the engine's own model folder.
 
+    ``window``: how a sliding-window layer's window counts ("logical": real tokens, the layout
+    rule of docs/design.md §2; "physical" / "none": wrong rules, for tests that must tell them
+    apart).
+
     ``layout_ids``: the tokens rule 1 hides (default: the model's own SSEP / PDEP / PAD, as the
     engine derives them); ``sink_ids``: the opening a span may carry after its SSEP, seen only
     by that span (default: the model's own, as the engine derives it)."""
 
     def __init__(self, model_dir: str, layout_ids: Sequence[int] | None = None,
-                 sink_ids: Sequence[int] | None = None) -> None:
+                 sink_ids: Sequence[int] | None = None, window: str = "logical") -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -99,6 +103,9 @@ class PicReference:
             sink_ids = cfg.sink_ids if sink_ids is None else sink_ids
         self.layout_ids = tuple(layout_ids)
         self.sink_ids = tuple(sink_ids)
+        # how a sliding window counts: "logical" (real tokens, the layout rule), or the wrong
+        # rules a test must tell apart: "physical" (slots, markers and pads included), "none"
+        self.window = window
 
     @torch.inference_mode()
     def logprobs(self, token_ids: Sequence[int], spans: Sequence[tuple[int, int]] = (),
@@ -115,11 +122,31 @@ class PicReference:
                                          self.sink_ids, prompt_len)
         out = self.model(
             input_ids=torch.tensor([list(token_ids)]),
-            attention_mask=additive_mask(allowed),
+            attention_mask=self._masks(allowed, positions),
             position_ids=positions.unsqueeze(0),
             use_cache=False,
         )
         return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+    def _masks(self, allowed: torch.Tensor, positions: torch.Tensor) -> object:
+        """The additive mask, or one per layer type for a model with sliding-window layers:
+        the window counts real tokens (docs/design.md §2), a query at logical ``p`` seeing keys
+        at ``p - window < position``, the rule transformers applies to plain prompts
+        (``sliding_window_overlay``), here at the layout's logical positions. transformers takes
+        a 4-D mask as given, so the window has to be in it."""
+        config = self.model.config
+        window = getattr(config, "sliding_window", None)
+        if not window or self.window == "none":
+            return additive_mask(allowed)
+        at = positions if self.window == "logical" else torch.arange(len(positions))
+        near = at[None, :] > at[:, None] - window
+        windowed = additive_mask(allowed & (near | torch.eye(len(positions), dtype=torch.bool)))
+        types = getattr(config, "layer_types", None)
+        if not types:  # every layer windowed (Mistral v0.1 style)
+            return windowed
+        return {kind: windowed if kind == "sliding_attention" else additive_mask(allowed)
+                for kind in set(types)}
 
 
 def max_logprob_error(completion: object, prompt_len: int, ref: torch.Tensor) -> float:

@@ -1,0 +1,38 @@
+"""Families with sliding-window layers, position-free and equal to the layout-rule reference:
+Gemma 2 (windows on alternate layers, logit soft-capping) and Gemma 3 (q/k norm, two RoPE bases).
+
+One seeded tiny random model per family (``support/model_families.py``), one engine each, the
+checks of ``support/family_checks.py``: warm, cold and after-an-unprefilled-prompt finals equal
+the transformers reference under the layout rule, ``selective@1`` equals the plain prompt, and a
+layout-visible reference is told apart. Here the prompts are longer than the window (64), so the
+rule that a window counts real tokens (docs/design.md §2) is held: a reference that counts it in
+physical slots, or not at all, is told apart, and ``selective@1`` still equals the plain prompt.
+The table users read is docs/models.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.family_checks import check_supported, start
+from support.model_families import BY_NAME, warm_model_infos
+
+from minipic.span_contract.engine_config import close_llm
+
+pytestmark = pytest.mark.engine
+
+FAMILIES = ("Gemma 2", "Gemma 3")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_infos() -> None:
+    warm_model_infos(tuple(BY_NAME[name] for name in FAMILIES))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_is_position_free(name: str, seed: int) -> None:
+    family = BY_NAME[name]
+    llm = start(family)
+    try:
+        check_supported(llm, family, seed)
+    finally:
+        close_llm(llm)
