@@ -217,6 +217,18 @@ def seed() -> int:
     return fresh_seed()
 
 
+@pytest.fixture(scope="module")
+def model_dir() -> Any:
+    """The default model's folder, without converting it (the prompt builder's tests need its
+    tokenizer only; ``make setup`` converts it)."""
+    from minipic.span_contract.models import ModelUnavailableError, default_model_dir
+
+    try:
+        return default_model_dir(fetch=False)
+    except ModelUnavailableError as exc:
+        pytest.skip(f"default model not converted: {exc}")
+
+
 @pytest.fixture(scope="session")
 def engines() -> EnginePool:
     return EnginePool()

@@ -14,13 +14,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from support.family_checks import check_refused, start
-from support.model_families import FAMILIES, warm_model_infos
+from support.family_checks import model_infos_fixture, run_family
+from support.model_families import FAMILIES
 
-from minipic.span_contract.engine_config import close_llm
 from minipic.span_contract.env import ALL_FAMILIES_ENV
 
-REFUSED = tuple(f for f in FAMILIES if not f.position_free)
+REFUSED = tuple(f.name for f in FAMILIES if not f.position_free)
 
 pytestmark = [
     pytest.mark.engine,
@@ -28,16 +27,9 @@ pytestmark = [
                        reason=f"one engine per refused family: set {ALL_FAMILIES_ENV}=1"),
 ]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _model_infos() -> None:
-    warm_model_infos(REFUSED)
+_model_infos = model_infos_fixture(REFUSED)
 
 
-@pytest.mark.parametrize("family", REFUSED, ids=[f.name for f in REFUSED])
-def test_family_is_refused_per_request(family, seed: int) -> None:
-    llm = start(family)
-    try:
-        check_refused(llm, family, seed)
-    finally:
-        close_llm(llm)
+@pytest.mark.parametrize("name", REFUSED)
+def test_family_is_refused_per_request(name: str, seed: int) -> None:
+    run_family(name, seed)

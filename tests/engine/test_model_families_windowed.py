@@ -13,26 +13,14 @@ The table users read is docs/models.md.
 from __future__ import annotations
 
 import pytest
-from support.family_checks import check_supported, start
-from support.model_families import BY_NAME, warm_model_infos
-
-from minipic.span_contract.engine_config import close_llm
+from support.family_checks import model_infos_fixture, run_family
 
 pytestmark = pytest.mark.engine
 
 FAMILIES = ("Gemma 2", "Gemma 3")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _model_infos() -> None:
-    warm_model_infos(tuple(BY_NAME[name] for name in FAMILIES))
+_model_infos = model_infos_fixture(FAMILIES)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_is_position_free(name: str, seed: int) -> None:
-    family = BY_NAME[name]
-    llm = start(family)
-    try:
-        check_supported(llm, family, seed)
-    finally:
-        close_llm(llm)
+    run_family(name, seed)

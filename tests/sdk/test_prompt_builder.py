@@ -49,16 +49,6 @@ PIC_MODES = [Mode.BLOCK_ATTENTION, Mode.BOUNDARY_RECOMPUTE, Mode.SELECTIVE]
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    from minipic.span_contract.models import ModelUnavailableError, default_model_dir
-
-    try:
-        return default_model_dir(fetch=False)
-    except ModelUnavailableError as exc:
-        pytest.skip(f"default model not converted: {exc}")
-
-
 def byte_level_alphabet() -> dict[int, str]:
     """GPT-2 byte-level BPE's byte -> printable character table."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),

@@ -55,16 +55,6 @@ DATE_STRING_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    from minipic.span_contract.models import ModelUnavailableError, default_model_dir
-
-    try:
-        return default_model_dir(fetch=False)
-    except ModelUnavailableError as exc:
-        pytest.skip(f"default model not converted: {exc}")
-
-
 @pytest.fixture
 def tokenizer(model_dir):
     """A fresh SmolLM2 tokenizer per test (tests change its template and BOS)."""

@@ -31,6 +31,34 @@ WRONG_MIN = 1e-3
 FAMILY_KV_GIB = "1"
 
 
+def model_infos_fixture(names: tuple[str, ...]) -> Any:
+    """A module fixture that has vLLM inspect these families' classes at once
+    (``model_families.warm_model_infos``): one per family test module."""
+    import pytest
+
+    from support.model_families import BY_NAME, warm_model_infos
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _model_infos() -> None:
+        warm_model_infos(tuple(BY_NAME[name] for name in names))
+
+    return _model_infos
+
+
+def run_family(name: str, seed: int) -> None:
+    """The family's engine, started, checked as its verdict says (supported: equal to the
+    reference; refused: refused per request), and closed."""
+    from minipic.span_contract.engine_config import close_llm
+    from support.model_families import BY_NAME
+
+    family = BY_NAME[name]
+    llm = start(family)
+    try:
+        (check_supported if family.position_free else check_refused)(llm, family, seed)
+    finally:
+        close_llm(llm)
+
+
 def start(family: Family) -> Any:
     from minipic.span_contract.engine_config import EngineSettings, build_llm, patched_environ
 
