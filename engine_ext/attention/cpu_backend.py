@@ -78,11 +78,11 @@ every block (``unrotated_keys`` gives vLLM a full-attention spec for it, since v
 physical distance); plain requests (no layout tokens: logical = physical) run vLLM's kernel with
 the window as stock; span requests' masked rows apply it at logical positions (the kept copy is in
 logical order, so vLLM's kernel windows it right; the masked torch rows add it to their mask).
-Logit soft-capping is applied on every path the same way.
+Logit soft-capping and learned attention sinks (GPT-OSS) are applied on every path the same way.
 
 Limitations: decoder self-attention only (other attention types and layers without a supported
-rotary module get stock behaviour); no ALiBi, sinks, fp8 KV cache, MRoPE, DCP/PCP; speculative
-decoding positions are not verified.
+rotary module get stock behaviour); no ALiBi, fp8 KV cache, MRoPE, DCP/PCP; speculative decoding
+positions are not verified.
 """
 
 from __future__ import annotations
@@ -340,8 +340,10 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         """Why this layer cannot take unrotated keys with ``rope`` (None: it can)."""
         if self.attn_type != AttentionType.DECODER:
             return f"attention type {self.attn_type}"
-        if self.alibi_slopes is not None or self.sinks is not None:
-            return "ALiBi / attention sinks"
+        if self.alibi_slopes is not None:
+            return "ALiBi"
+        if self.sinks is not None and self.path == "torch":
+            return "attention sinks with MINIPIC_CPU_ATTN=torch"
         if self.kv_cache_dtype != "auto":
             return f"kv_cache_dtype={self.kv_cache_dtype}"
         if self.kv_sharing_target_layer_name is not None:
@@ -431,10 +433,18 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
             query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale,
             causal=causal, alibi_slopes=None, sliding_window=self.sliding_window,
             block_table=block_table, softcap=self.logits_soft_cap,
-            scheduler_metadata=scheduler_metadata, s_aux=None, dynamic_causal=dynamic_causal,
+            scheduler_metadata=scheduler_metadata, s_aux=self._sinks(),
+            dynamic_causal=dynamic_causal,
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype,
         )
+
+    def _sinks(self) -> torch.Tensor | None:
+        """The layer's learned sink logits as vLLM's kernel takes them (bf16 or fp32, cast
+        once, after the weights are loaded, as the stock impl does)."""
+        if self.sinks is not None and self.sinks.dtype not in (torch.bfloat16, torch.float32):
+            self.sinks = self.sinks.to(torch.float32)
+        return self.sinks
 
     # -- write -------------------------------------------------------------------------------
 
@@ -540,7 +550,7 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         rows = masked_rows.prepare(plan.masked, plan.home_slots, key_cache.shape[2], shift)
         masked_rows.attend(rows, query, pages, layout, rotate, kernel, self.scale, output, kept,
                            cap, window=max(self.sliding_window, 0),
-                           softcap=self.logits_soft_cap or 0.0)
+                           softcap=self.logits_soft_cap or 0.0, sinks=self._sinks())
 
     def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, block_table: torch.Tensor,

@@ -336,15 +336,18 @@ def _new_keys(row: PreparedRow, covered: int, count: int, block_size: int
 def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
            layout: PageLayout, rotate: Rotate, kernel: PagedKernel, scale: float,
            output: torch.Tensor, kept: dict[str, KeptKeys] | None = None,
-           kept_cap_bytes: int = 0, window: int = 0, softcap: float = 0.0) -> None:
+           kept_cap_bytes: int = 0, window: int = 0, softcap: float = 0.0,
+           sinks: torch.Tensor | None = None) -> None:
     """One layer: ``kv_cache`` ``[blocks, heads, 2 * bs, D]`` is its cache; writes the
     ``output`` rows of every prepared row. ``kept``: this layer's kept keys by request (entries
     of requests not in this step are dropped), at most ``kept_cap_bytes`` in all. ``window``:
     the layer's sliding window in real tokens (0: none; a query at logical position ``p`` sees
     keys at ``p - window < position <= p``, docs/design.md §2); ``softcap``: its logit
-    soft-cap (0: none). The kept copy's plain queries get both from vLLM's kernel, which
-    ``kernel`` binds to the layer: the copy holds real keys in logical order, so the kernel's
-    window over it is the window in real tokens."""
+    soft-cap (0: none); ``sinks``: its learned per-head sink logits (GPT-OSS; None: none), one
+    more logit in every query's softmax that takes weight and gives no value. The kept copy's
+    plain queries get all three from vLLM's kernel, which ``kernel`` binds to the layer: the
+    copy holds real keys in logical order, so the kernel's window over it is the window in real
+    tokens."""
     heads = query.shape[1]
     kv_heads, d = kv_cache.shape[1], kv_cache.shape[3]
     bs = layout.block_size
@@ -356,13 +359,16 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
         if row.layout.numel():  # a layout query sees only itself: its own value
             blocks, offsets = row.blocks[row.layout_keys // bs], row.layout_keys % bs
             picked = layout.tokens_at(kv_cache, blocks, offsets)
-            if picked is not None:
-                own = picked[1]
-            else:  # whole pages, then the rows
-                own = token_rows(layout, kv_cache.index_select(0, blocks))[1].view(
-                    -1, bs, kv_heads, d)[torch.arange(blocks.numel()), offsets]
-            output[row.queries[row.layout]] = own.repeat_interleave(
-                heads // kv_heads, dim=1).to(output.dtype)
+            if picked is None:  # whole pages, then the rows
+                keys, values = token_rows(layout, kv_cache.index_select(0, blocks))
+                at = torch.arange(blocks.numel())
+                picked = (keys.view(-1, bs, kv_heads, d)[at, offsets],
+                          values.view(-1, bs, kv_heads, d)[at, offsets])
+            own = picked[1].repeat_interleave(heads // kv_heads, dim=1)
+            if sinks is not None:
+                own = _beside_sinks(query[row.queries[row.layout]], picked[0], own, sinks,
+                                    scale, softcap)
+            output[row.queries[row.layout]] = own.to(output.dtype)
         for which, lo, hi, mask in row.other_groups:
             if window:
                 mask = _windowed(row, which, lo, hi, mask, window)
@@ -373,7 +379,7 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
             k = keys[at:at + hi - lo].contiguous()
             rotate(k, row.key_moves[lo:hi])
             _attend_rows(query, row, which, k, values[at:at + hi - lo], mask, rotate, scale,
-                         heads, output, softcap)
+                         heads, output, softcap, sinks)
         if not row.plain.numel():
             continue
         copy = None if kept is None or row.request is None else kept.get(row.request)
@@ -399,9 +405,24 @@ def _windowed(row: PreparedRow, which: torch.Tensor, lo: int, hi: int, mask: tor
     return row.derived[key]
 
 
+def _beside_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  sinks: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """A layout query's output where a sink logit shares its softmax: its own value weighted by
+    ``sigmoid(score - sink)``, per head. ``query`` (rotated by the model at its physical
+    position) and ``key`` (written this step at the same position) give the score directly:
+    RoPE at one position cancels in the dot product."""
+    heads, d = query.shape[1], query.shape[2]
+    k = key.repeat_interleave(heads // key.shape[1], dim=1).float()
+    score = (query.float().view(-1, heads, d) * k).sum(-1) * scale
+    if softcap:
+        score = torch.tanh(score / softcap) * softcap
+    return value.float() * torch.sigmoid(score - sinks.float()[None, :])[..., None]
+
+
 def _attend_rows(query: torch.Tensor, row: PreparedRow, which: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, mask: torch.Tensor | None, rotate: Rotate, scale: float,
-                 heads: int, output: torch.Tensor, softcap: float = 0.0) -> None:
+                 heads: int, output: torch.Tensor, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> None:
     """``output`` of the row's queries ``which`` over keys ``k`` (moved) and values ``v``;
     ``softcap``: the layer's logit soft-cap, ``c * tanh(s / c)`` of the scaled scores (0:
     none), as vLLM's kernel applies it."""
@@ -415,6 +436,11 @@ def _attend_rows(query: torch.Tensor, row: PreparedRow, which: torch.Tensor, k: 
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:  # one more logit per head, dropped after the softmax
+        extra = sinks.float().view(kv_heads, heads // kv_heads, 1, 1).expand(
+            *scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, extra], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgtj,jhd->thgd", probs, v.float())
     output[rows] = out.reshape(-1, heads, d).to(output.dtype)

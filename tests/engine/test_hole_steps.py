@@ -279,10 +279,13 @@ def _final_prompt(rng: random.Random) -> tuple[list[int], list[list[int]]]:
 def _admit(kvm, wrapped: _Wrapped, request, budget: int):
     """What the scheduler's waiting path does: lookup, the chunk clip (scheduler_lookup's plan),
     allocation. Returns (new blocks, planned tokens)."""
+    from minipic.engine_ext.holes.scheduler_lookup import CachedRuns
     from minipic.engine_ext.holes.scheduler_steps import StepHoles
 
     blocks, hit, _ = wrapped.lookup(kvm, request)
-    pending = request.__dict__[CACHED_RUNS_ATTR]
+    # the lookup records runs only when it found some past the hit (none: a stock admission,
+    # which an empty record plans the same way)
+    pending = request.__dict__.setdefault(CACHED_RUNS_ATTR, CachedRuns(runs=[]))
     request.found_tokens = hit + SMALL * sum(len(run) for _, run in pending.runs)
     holes = plan_holes(pending.runs, hit, budget, request.num_tokens, SMALL)
     pending.step = StepHoles(computed=hit, holes=holes)

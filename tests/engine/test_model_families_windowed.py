@@ -1,5 +1,6 @@
 """Families with sliding-window layers, position-free and equal to the layout-rule reference:
-Gemma 2 (windows on alternate layers, logit soft-capping) and Gemma 3 (q/k norm, two RoPE bases).
+Gemma 2 (windows on alternate layers, logit soft-capping), Gemma 3 (q/k norm, two RoPE bases) and
+GPT-OSS (windows on alternate layers, learned per-head attention sinks, MoE).
 
 One seeded tiny random model per family (``support/model_families.py``), one engine each, the
 checks of ``support/family_checks.py``: warm, cold and after-an-unprefilled-prompt finals equal
@@ -17,7 +18,7 @@ from support.family_checks import model_infos_fixture, run_family
 
 pytestmark = pytest.mark.engine
 
-FAMILIES = ("Gemma 2", "Gemma 3")
+FAMILIES = ("Gemma 2", "Gemma 3", "GPT-OSS")
 _model_infos = model_infos_fixture(FAMILIES)
 
 
