@@ -53,7 +53,6 @@ TEST_CACHE_ENV = "MINIPIC_TEST_CACHE"
 TEST_LANES_FILE_ENV = "MINIPIC_TEST_LANES_FILE"
 FILE_TIMES_ENV = "MINIPIC_FILE_TIMES"
 TEST_SABOTAGE_ENV = "MINIPIC_TEST_SABOTAGE"
-ALL_FAMILIES_ENV = "MINIPIC_ALL_FAMILIES"
 UPSTREAM_MODE_ENV = "MINIPIC_UPSTREAM_MODE"
 UPSTREAM_REPORT_ENV = "MINIPIC_UPSTREAM_REPORT"
 INSTALLER_ENV = "MINIPIC_INSTALLER"
@@ -122,8 +121,6 @@ VARIABLES: tuple[Variable, ...] = (
              "tests/support/file_timing.py"),
     Variable(TEST_SABOTAGE_ENV, "unset", "which hook the integration-guard test breaks",
              "tests/support/guard_sabotage.py"),
-    Variable(ALL_FAMILIES_ENV, "unset (off)", "1: one engine per refused model family too",
-             "tests/engine/test_model_families_refused.py"),
     Variable(UPSTREAM_MODE_ENV, "stock", "vLLM's own tests with minipic stock/patched/optin",
              "tests/support/vllm_upstream/"),
     Variable(UPSTREAM_REPORT_ENV, "unset", "where the upstream-test run writes its report",

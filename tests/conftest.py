@@ -115,7 +115,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 # Run order of the shared resources: the modules that use each one run side by side
 # (shared_resources.order_modules); at most SHARED_CAP are up at once (~3 GiB each).
 RESOURCE_ORDER = ["tiny_stock", "tiny_pic", "tiny_hash_only", "smol_pic", "smol_stock",
-                  "smol_server", "tiny_orchestrator", *(n for n in ENGINE_PROFILES
+                  "smol_server", "tiny_orchestrator", "family_engines", *(n for n in ENGINE_PROFILES
                                                        if n.startswith("qwen3next"))]
 SHARED_CAP = 3
 SHARED = SharedResources(SHARED_CAP)
@@ -240,6 +240,15 @@ def smol_server() -> ServerProcess:
     declare it (no server flags of their own: a module that needs some starts its own)."""
     return SHARED.get("smol_server", lambda: ServerProcess("--max-model-len", "2048").start(),
                       ServerProcess.stop)
+
+
+@pytest.fixture(scope="module")
+def family_engines() -> Any:
+    """The process that starts each model family's tiny engine in-process, one at a time
+    (``support/family_checks.FamilyRunner``), shared by the family modules that declare it."""
+    from support.family_checks import FamilyRunner
+
+    return SHARED.get("family_engines", FamilyRunner, FamilyRunner.close)
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,15 @@ The table users read is docs/models.md.
 
 from __future__ import annotations
 
-import pytest
-from support.family_checks import model_infos_fixture, run_family
+from typing import Any
 
-pytestmark = pytest.mark.engine
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.shares("family_engines")]
 
 FAMILIES = ("Gemma 2", "Gemma 3", "GPT-OSS")
-_model_infos = model_infos_fixture(FAMILIES)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_family_is_position_free(name: str, seed: int) -> None:
-    run_family(name, seed)
+def test_family_is_position_free(name: str, seed: int, family_engines: Any) -> None:
+    family_engines.run(name, seed)

@@ -31,27 +31,60 @@ WRONG_MIN = 1e-3
 FAMILY_KV_GIB = "1"
 
 
-def model_infos_fixture(names: tuple[str, ...]) -> Any:
-    """A module fixture that has vLLM inspect these families' classes at once
-    (``model_families.warm_model_infos``): one per family test module."""
-    import pytest
+class FamilyRunner:
+    """One process of its own that starts each family's engine in-process, one after another, and
+    runs its checks there (``run``); failures come back as the test's own exception.
 
-    from support.model_families import BY_NAME, warm_model_infos
+    Why: an engine's EngineCore process re-imports vLLM, ~16 s of a tiny model's ~25 s start on 2
+    idle cores (~40 s busy), twelve times over. In-process (vLLM's own
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) a tiny family starts in ~3 s. Not in the test lane's
+    process: minipic's plugin is installed once per process with the first engine's features
+    (``engine_ext/plugin.py``) and a lane also builds stock and hash-only engines, and vLLM's
+    in-process CPU worker replaces ``torch.set_num_threads`` for its whole process.
+    """
 
-    @pytest.fixture(scope="module", autouse=True)
-    def _model_infos() -> None:
-        warm_model_infos(tuple(BY_NAME[name] for name in names))
+    def __init__(self) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-    return _model_infos
+        self._pool = ProcessPoolExecutor(max_workers=1,
+                                         mp_context=multiprocessing.get_context("spawn"))
+
+    def run(self, name: str, seed: int) -> None:
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            self._pool.submit(run_family, name, seed).result()
+        except BrokenProcessPool:  # the process died (the engine crashed it): a new one next time
+            self.close()
+            self.__init__()  # type: ignore[misc]
+            raise
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_family(name: str, seed: int) -> None:
-    """The family's engine, started, checked as its verdict says (supported: equal to the
-    reference; refused: refused per request), and closed."""
+    """The family's engine, started in this process, checked as its verdict says (supported:
+    equal to the reference; refused: refused per request), closed, and its distributed state and
+    KV cache freed for the next one."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    try:
+        _start_check_close(name, seed)
+    finally:
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def _start_check_close(name: str, seed: int) -> None:
     from minipic.span_contract.engine_config import close_llm
-    from support.model_families import BY_NAME
+    from support.model_families import BY_NAME, warm_model_infos
 
     family = BY_NAME[name]
+    warm_model_infos((family,))
     llm = start(family)
     try:
         (check_supported if family.position_free else check_refused)(llm, family, seed)
@@ -60,11 +93,21 @@ def run_family(name: str, seed: int) -> None:
 
 
 def start(family: Family) -> Any:
+    """The family's engine with its EngineCore in this process (``FamilyRunner``)."""
+    from minipic.engine_ext import plugin
     from minipic.span_contract.engine_config import EngineSettings, build_llm, patched_environ
 
-    with patched_environ({"VLLM_CPU_KVCACHE_SPACE": FAMILY_KV_GIB}):
-        return build_llm(EngineSettings(model=str(family_dir(family)), pic=True,
-                                        max_model_len=1024))
+    settings = EngineSettings(model=str(family_dir(family)), pic=True, max_model_len=1024)
+    with patched_environ({"VLLM_CPU_KVCACHE_SPACE": FAMILY_KV_GIB,
+                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+        llm = build_llm(settings)
+    # vLLM installs the plugin once per process: every family must share the first one's span
+    # configuration (they all carry SmolLM2's tokenizer), or this engine would run another's
+    installed = plugin.active_state().get("config")
+    assert installed == llm.minipic_settings.span_config, \
+        f"{family.name}: span configuration {llm.minipic_settings.span_config} differs from " \
+        f"the one this process's plugin was installed with ({installed}): run it in its own process"
+    return llm
 
 
 def check_supported(llm: Any, family: Family, seed: int) -> None:

@@ -5,7 +5,7 @@ transformers config class, with the features that decide position-freedom switch
 with non-trivial weights, Granite's multipliers, GLM-4's partial rotary, Gemma's windows and
 soft-capping, GPT-OSS's sinks, DeepSeek's MLA, Llama 4's NoPE layers). ``expect`` is the verdict
 ``docs/models.md`` publishes: ``"position-free"`` (equal to the layout-rule reference in
-``tests/engine/test_model_families.py``) or the words the refusal must contain.
+``tests/engine/test_model_families_*.py``) or the words the refusal must contain.
 """
 
 from __future__ import annotations
