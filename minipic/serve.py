@@ -134,9 +134,9 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     store.add_argument("--span-store-shared", default=None, metavar="DIR",
                        help="an extra tier shared with other servers (a shared mount)")
     store.add_argument("--span-store-group-access", action="store_true",
-                       help="make entries 0640 and folders 0750 for replicas running as other "
-                            "users of one group on a shared mount (default: 0600 / 0700, "
-                            "readable by this user only)")
+                       help="make files 0660 and folders 2770, all of the store's group, for "
+                            "replicas running as other users of one group (default: 0600 / "
+                            "0700, readable by this user only)")
     store.add_argument("--span-store-group", default=None, metavar="GROUP",
                        help="with --span-store-group-access: the group (name or id) whose "
                             "members' store secret and folder this server trusts (default: "

@@ -3,21 +3,21 @@
 Why in ``span_contract``: ``minipic serve``, ``Orchestrator.embedded`` and ``minipic index`` build
 the setting; the KV connector (``engine_ext/span_store/connector.py``) reads it back from vLLM's
 ``kv_transfer_config``. Both must agree on the directories and on the model fingerprint, which
-is computed here, once, in the launching process (hashing the weights in every engine process
-would cost seconds each).
+is computed here. The weights digest in it has its own module (``weights_digest.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from minipic.span_contract.env import SPAN_STORE_ENV
+from minipic.span_contract.weights_digest import local_model_dir, weights_digest
 
 CONNECTOR_NAME = "MinipicSpanStore"
 # `minipic serve`'s default for --span-store: a directory, "off", or unset = on at
@@ -25,10 +25,6 @@ CONNECTOR_NAME = "MinipicSpanStore"
 DEFAULT_ENV = SPAN_STORE_ENV
 OFF_VALUES = ("off", "none", "0", "false")
 CONNECTOR_MODULE = "minipic.engine_ext.span_store.connector"
-_DIGEST_CACHE = "weights-digests.json"
-# what a model folder's KV depends on: weights, configs, tokenizer models, and the modeling code
-# a ``trust_remote_code`` model brings in ``.py`` files
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".gguf", ".py")
 
 
 class SpanStoreConfig(BaseModel):
@@ -44,9 +40,12 @@ class SpanStoreConfig(BaseModel):
     disk_gib: float = Field(8.0, gt=0, description="bound of the local disk tier")
     shared_dir: str | None = Field(None, description="tier shared by replicas; None = none")
     shared_gib: float = Field(32.0, gt=0, description="bound of the shared tier")
+    min_free_gib: float | None = Field(
+        None, ge=0, description="writes pause before the disk's free space falls below this "
+                                "(per tier folder); None = 5% of the disk, at most 1 GiB")
     group_access: bool = Field(
-        False, description="entries 0640 and folders 0750 (replicas of one group on a shared "
-                           "mount); default 0600 / 0700, private to the user")
+        False, description="files 0660 and folders 2770 of the group (replicas running as "
+                           "different users of one group); default 0600 / 0700, private")
     group: str | None = Field(
         None, description="group access: the group (name or id) whose secret and folders are "
                           "trusted besides the user's own; None = the server's own group")
@@ -93,74 +92,6 @@ def default_store_dir() -> Path:
 def weights_identity(model: str, revision: str | None) -> str:
     """What a weights digest was computed for (the engine checks it against its own model)."""
     return f"{model}@{revision or ''}"
-
-
-def local_model_dir(model: str, revision: str | None = None) -> Path | None:
-    """The folder holding ``model``'s files: the folder itself, or the local Hugging Face
-    snapshot of a hub id at ``revision`` (never a download). None when there is none."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 (not a hub id, not cached, no hub library: unknown)
-        return None
-
-
-def weights_digest(model: str, revision: str | None = None) -> str:
-    """sha256 over the model's weight and config files, cached by (path, size, mtime); "" when
-    the files cannot be found (a hub id not downloaded yet), which means no store.
-
-    The store must never serve KV computed by other weights under the same block hash, and the
-    hash does not name the weights; their digest goes into every key. A name is not a digest:
-    the same hub id or folder can hold other weights tomorrow. Hashing a 270 MB model takes
-    about a second, once: the result is kept next to the minipic cache.
-    """
-    root = local_model_dir(model, revision)
-    if root is None:
-        return ""
-    files = sorted(p for p in root.glob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
-    if not any(p.suffix != ".json" for p in files):
-        return ""  # no weights here: nothing to name
-    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    cache = _digest_cache_path()
-    known: dict[str, Any] = {}
-    if cache is not None and cache.exists():
-        try:
-            known = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            known = {}
-    entry = known.get(str(root.resolve()))
-    if entry and entry.get("stamp") == [list(s) for s in stamp]:
-        return str(entry["digest"])
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode())
-        with path.open("rb") as handle:
-            while chunk := handle.read(1 << 22):
-                digest.update(chunk)
-    value = digest.hexdigest()[:32]
-    if cache is not None:
-        known[str(root.resolve())] = {"stamp": stamp, "digest": value}
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known))
-            os.replace(tmp, cache)
-        except OSError:
-            pass  # a cache only: the digest is recomputed next time
-    return value
-
-
-def _digest_cache_path() -> Path | None:
-    try:
-        from minipic.span_contract.models import cache_root
-
-        return cache_root() / _DIGEST_CACHE
-    except Exception:  # noqa: BLE001 (no writable cache: compute every time)
-        return None
 
 
 # Bump when what a payload holds changes (page layout, what "home" means, the header). The
@@ -229,12 +160,132 @@ def _compute_facts(vllm_config: Any) -> dict[str, Any]:
                                                 "calculate_kv_scales", False))}
 
 
-def fingerprint_facts(vllm_config: Any, weights_digest: str, span_config: Any) -> dict[str, Any]:
+# load formats whose weights are the model folder's files, which the weights digest reads; any
+# other (tensorizer, ipc_cache, modelexpress, a plugin's) loads weights the store cannot name
+_FOLDER_LOAD_FORMATS = ("auto", "hf", "pt", "safetensors", "npcache", "fastsafetensors",
+                        "instanttensor", "mistral", "sharded_state", "runai_streamer",
+                        "runai_streamer_sharded", "bitsandbytes", "gguf", "dummy")
+# speculative methods whose drafter has no weights of its own (it proposes from the tokens or
+# the target's hidden states); a custom proposer class is code the store cannot name
+_WEIGHTLESS_DRAFTERS = ("ngram", "ngram_gpu", "suffix", "extract_hidden_states")
+
+
+def _is_uri(name: Any) -> bool:
+    return isinstance(name, str) and "://" in name
+
+
+def _overrides_fact(overrides: Any) -> Any:
+    """A dict as is; a callable by its qualified name, never ``repr`` (a memory address: another
+    fingerprint in every process). A callable's effect cannot be named: ``unnamed_kv_inputs``
+    turns the store off for it."""
+    if isinstance(overrides, dict):
+        return overrides
+    if callable(overrides):
+        return (f"callable {getattr(overrides, '__module__', '?')}."
+                f"{getattr(overrides, '__qualname__', type(overrides).__qualname__)}")
+    return repr(overrides)
+
+
+def _config_digest(path: str, revision: str | None) -> str:
+    """sha256 of a config read from outside the model folder (``--hf-config-path``): the file,
+    or a folder's (a local hub snapshot's) ``.json`` and ``.py`` files; "" when not found."""
+    file = Path(path).expanduser()
+    root = None if file.is_file() else local_model_dir(path, revision)
+    files = [file] if file.is_file() else [] if root is None else sorted(
+        p for p in root.glob("*") if p.is_file() and p.suffix in (".json", ".py"))
+    if not files:
+        return ""
+    digest = hashlib.sha256()
+    for item in files:
+        digest.update(item.name.encode() + b"\0" + item.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def _config_source_facts(model: Any) -> dict[str, Any]:
+    """Where the model's config was read from and in which format (``--hf-config-path``,
+    ``--config-format``): a config from outside the hashed folder, named by its bytes."""
+    path = getattr(model, "hf_config_path", None)
+    fmt = getattr(model, "config_format", "auto")
+    external = bool(path) and str(path) != str(model.model)
+    revision = getattr(model, "_hf_config_revision", None) or model.revision
+    return {"hf_config_path": path, "config_format": str(getattr(fmt, "value", fmt)),
+            "config_digest": _config_digest(str(path), revision) if external else None}
+
+
+def _drafter_facts(vllm_config: Any, digest_of: Callable[..., str]) -> dict[str, Any] | None:
+    """The speculative-decoding drafter: its method, model, revision, number of tokens and
+    weights (a drafter's attention layers keep KV of their own, saved with the block's pages).
+    ``weights``: None for a drafter without weights, "target" for the target's own layers (MTP),
+    else the digest of its folder ("" when it cannot be found: the store is off)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None
+    draft = getattr(spec, "draft_model_config", None)
+    target = vllm_config.model_config
+    method = str(getattr(spec, "method", None))
+    facts: dict[str, Any] = {
+        "method": method, "model": getattr(spec, "model", None),
+        "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None),
+        "revision": getattr(draft, "revision", None),
+        "quantization": getattr(draft, "quantization", None), "weights": None}
+    if method in _WEIGHTLESS_DRAFTERS or draft is None:
+        return facts
+    if str(draft.model) == str(target.model) and draft.revision == target.revision:
+        facts["weights"] = "target"
+    elif _is_uri(draft.model) or _is_uri(getattr(draft, "model_weights", "")):
+        facts["weights"] = ""
+    else:
+        facts["weights"] = digest_of(str(draft.model), draft.revision)
+    return facts
+
+
+def unnamed_kv_inputs(vllm_config: Any, digest_of: Callable[..., str] = weights_digest
+                      ) -> str | None:
+    """Why this configuration's KV depends on something the fingerprint cannot name (the
+    store must then be off: the connector logs this and serves without it), or None.
+
+    Refused rather than named: weights loaded from elsewhere than the model folder (a load
+    format such as tensorizer, or a URI: the digest would name the folder's files, not what
+    was loaded), a callable ``hf_overrides`` (code: a qualified name does not say what it does,
+    and a source hash misses its closure), an external config or drafter whose files cannot
+    be found, and a custom proposer class."""
+    model = vllm_config.model_config
+    load = vllm_config.load_config
+    fmt = str(getattr(load, "load_format", "auto")).lower()
+    if fmt not in _FOLDER_LOAD_FORMATS:
+        return (f"--load-format {fmt} loads weights from elsewhere than the model folder: "
+                f"weights the store cannot name")
+    for name in (model.model, getattr(model, "model_weights", None)):
+        if _is_uri(name):
+            return f"weights streamed from {name}: weights the store cannot name"
+    if getattr(load, "download_dir", None) and not Path(str(model.model)).is_dir():
+        return ("--download-dir: the hub id's weights are loaded from a folder the weights "
+                "digest does not read")
+    if callable(model.hf_overrides):
+        return ("a callable hf_overrides: code the store cannot name (pass a dict of "
+                "overrides to use the store)")
+    source = _config_source_facts(model)
+    if source["config_digest"] == "":
+        return f"--hf-config-path {source['hf_config_path']}: the config cannot be found to name"
+    drafter = _drafter_facts(vllm_config, digest_of)
+    if drafter is not None and drafter["method"] == "custom_class":
+        return "a custom speculative proposer class: code the store cannot name"
+    if drafter is not None and drafter["weights"] == "":
+        return (f"the speculative drafter {drafter['model']}: its weights cannot be found to "
+                f"name them")
+    return None
+
+
+def fingerprint_facts(vllm_config: Any, weights_digest: str, span_config: Any, *,
+                      digest_of: Callable[..., str] = weights_digest) -> dict[str, Any]:
     """Everything a stored block's KV bytes depend on besides its tokens, by name: the
     weights' content and revision, how they were loaded, overrides, quantization, dtype, block
     size, rotary config, the KV page layout, span ids, the libraries and compilation that
-    compute the KV, and minipic's engine code (any change: another key). ``docs/span_store.md``
-    lists vLLM's settings that are not here and why they do not change KV."""
+    compute the KV, the config's source and format, the speculative drafter, and minipic's
+    engine code (any change: another key). ``digest_of`` hashes a drafter's weights (the
+    engine passes its own cache's). ``unnamed_kv_inputs`` says what cannot be named here.
+    ``docs/span_store.md`` lists vLLM's settings that are not here and why they do not change
+    KV."""
     from minipic.span_contract.engine_config import plugin_code_hash
 
     model = vllm_config.model_config
@@ -250,7 +301,9 @@ def fingerprint_facts(vllm_config: Any, weights_digest: str, span_config: Any) -
         # dynamic rotary scaling depends on the context length the engine serves
         "max_model_len": model.max_model_len if _scaled_rotary(rotary) else None,
         "revision": model.revision,
-        "hf_overrides": overrides if isinstance(overrides, dict) else repr(overrides),
+        "hf_overrides": _overrides_fact(overrides),
+        "config_source": _config_source_facts(model),
+        "drafter": _drafter_facts(vllm_config, digest_of),
         "quantization": model.quantization,
         "rotary": rotary,
         "architecture": list(getattr(model.hf_config, "architectures", None) or []),
@@ -267,8 +320,9 @@ def fingerprint_facts(vllm_config: Any, weights_digest: str, span_config: Any) -
     }
 
 
-def config_fingerprint(vllm_config: Any, weights_digest: str, span_config: Any) -> str:
+def config_fingerprint(vllm_config: Any, weights_digest: str, span_config: Any, *,
+                       digest_of: Callable[..., str] = weights_digest) -> str:
     """Digest of ``fingerprint_facts`` (the same in every process of one configuration)."""
-    facts = fingerprint_facts(vllm_config, weights_digest, span_config)
+    facts = fingerprint_facts(vllm_config, weights_digest, span_config, digest_of=digest_of)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=repr).encode()
                           ).hexdigest()[:32]

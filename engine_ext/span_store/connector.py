@@ -14,10 +14,12 @@ weights' content and revision, overrides, quantization, dtype, block size, rotar
 config, KV page layout and minipic's engine code), and vLLM's root hash. Entries also carry the
 fingerprint in their header, under the store's MAC (``tiers/files.py``): an entry written by
 another model, config or build, or by anyone without the store's secret, is never read. Weights
-that cannot be found to hash (a hub id not downloaded) mean no store. With tensor parallelism each
-rank stores its own part of an entry (``keys.rank_key``) and a block counts as loaded only when
-every rank loaded its part (``scheduler_side``). A tenant's blocks hash with its salt, so
-another tenant (or no salt) never finds them, at any position.
+that cannot be found to hash (a hub id not downloaded) mean no store, and so does any input the
+fingerprint cannot name (``unnamed_kv_inputs``: weights loaded from a URI or by tensorizer, a
+callable ``hf_overrides``, a drafter or external config that cannot be found). With tensor
+parallelism each rank stores its own part of an entry (``keys.rank_key``) and a block counts as
+loaded only when every rank loaded its part (``scheduler_side``). A tenant's blocks hash with its
+salt, so another tenant (or no salt) never finds them, at any position.
 
 **Why a loaded block is the block the engine would have computed.** Its bytes are the pages
 the engine wrote when it computed that hash, and the home slot they were rotated at comes with
@@ -49,6 +51,7 @@ from minipic.engine_ext.span_store.keys import config_fingerprint, rank_key
 from minipic.span_contract.errors import EngineIntegrationError
 from minipic.span_contract.span_config import SpanConfig
 from minipic.span_contract.span_store_config import SpanStoreConfig
+from minipic.span_contract.weights_digest import engine_digest
 
 logger = logging.getLogger("vllm.minipic.span_store")
 
@@ -83,12 +86,15 @@ def _tiers(config: SpanStoreConfig, fingerprint: str) -> list[Any]:
     from minipic.engine_ext.span_store.tiers import DirTier
 
     tiers = []
+    floor = None if config.min_free_gib is None else int(config.min_free_gib * 2**30)
     if config.dir:
         tiers.append(DirTier(config.dir, int(config.disk_gib * 2**30), fingerprint, "disk",
-                             group_access=config.group_access, group=config.group))
+                             group_access=config.group_access, group=config.group,
+                             min_free_bytes=floor))
     if config.shared_dir:
         tiers.append(DirTier(config.shared_dir, int(config.shared_gib * 2**30), fingerprint,
-                             "shared", group_access=config.group_access, group=config.group))
+                             "shared", group_access=config.group_access, group=config.group,
+                             min_free_bytes=floor))
     return [tier for tier in tiers if tier.usable]  # an unusable one said why in the log
 
 
@@ -97,23 +103,40 @@ def engine_weights_digest(config: SpanStoreConfig, model_config: Any) -> tuple[s
     (None: it may run).
 
     Computed here, in every engine process, from the files on this node -- never taken from
-    the launcher: a hub id the launcher hashed from an older cached snapshot, a replica on
-    another node, or a folder replaced during start-up would otherwise name this engine's KV
-    with other weights' digest. The digest is cached on disk by file name, size and mtime, so a
-    restart re-hashes nothing. The launcher's digest (which lookups, ``minipic index`` and the
-    span index use without loading weights) must agree, or those would look for keys this
-    engine never writes: a disagreement turns the store off, loudly (``weights_mismatch``).
-    ``--load-format`` and the loader's options are in the fingerprint (``fingerprint_facts``):
-    random weights from the same folder get other keys."""
-    from minipic.span_contract.span_store_config import weights_digest, weights_identity
+    the launcher, nor from the launcher's digest cache: a hub id the launcher hashed from an
+    older cached snapshot, a replica on another node, a folder replaced during start-up, or a
+    stale or written-over launcher cache entry would otherwise name this engine's KV with other
+    weights' digest. The engine keeps its own cache (``weights_digest.ENGINE_CACHE``) under a
+    stamp a replacement cannot keep (size, mtime, ctime, inode, device) and re-hashes the
+    configs and safetensors headers at every start, so a restart of unchanged files reads a
+    few MB, and new files are hashed in full once. The launcher's digest (which lookups,
+    ``minipic index`` and the span index use without loading weights) must agree, or those
+    would look for keys this engine never writes: a disagreement turns the store off, loudly
+    (``weights_mismatch``). ``--load-format`` and the loader's options are in the fingerprint
+    (``fingerprint_facts``): random weights from the same folder get other keys."""
+    from minipic.span_contract.span_store_config import weights_identity
 
-    own = weights_digest(str(model_config.model), model_config.revision)
+    own = engine_digest(str(model_config.model), model_config.revision)
     if not own:
         return "", "weights_unknown"
     of = weights_identity(str(model_config.model), model_config.revision)
     if config.weights_digest and config.weights_of == of and config.weights_digest != own:
         return "", "weights_mismatch"
     return own, None
+
+
+def engine_store_check(config: SpanStoreConfig, vllm_config: Any
+                       ) -> tuple[str, str | None, str | None]:
+    """(weights digest, why the store is off or None, the detail to log): first what the
+    fingerprint cannot name (``unnamed_kv_inputs``: ``kv_inputs_unnamed``), then the weights
+    (``engine_weights_digest``)."""
+    from minipic.span_contract.span_store_config import unnamed_kv_inputs
+
+    unnamed = unnamed_kv_inputs(vllm_config, engine_digest)
+    if unnamed is not None:
+        return "", "kv_inputs_unnamed", unnamed
+    digest, reason = engine_weights_digest(config, vllm_config.model_config)
+    return digest, reason, None
 
 
 class MinipicSpanStore(KVConnectorBase_V1):
@@ -135,8 +158,8 @@ class MinipicSpanStore(KVConnectorBase_V1):
                 "scheduling and pipeline parallelism would let a fill race an earlier write")
         self.ranks = vllm_config.parallel_config.tensor_parallel_size
         self.rank = 0
-        digest, self.off_reason = engine_weights_digest(self.config, vllm_config.model_config)
-        self.fingerprint = config_fingerprint(vllm_config, digest, span)
+        digest, self.off_reason, detail = engine_store_check(self.config, vllm_config)
+        self.fingerprint = config_fingerprint(vllm_config, digest, span, digest_of=engine_digest)
         self.block_size = vllm_config.cache_config.block_size
         if self.off_reason is None:
             tiers = _tiers(self.config, self.fingerprint)
@@ -152,6 +175,10 @@ class MinipicSpanStore(KVConnectorBase_V1):
                     "runs on another node with other files. Restart the server to use the "
                     "store again (span tokens are computed meanwhile, answers stay right)",
                     model, self.config.weights_digest)
+            elif self.off_reason == "kv_inputs_unnamed" and role == KVConnectorRole.SCHEDULER:
+                logger.warning("minipic span store is off: %s; a store entry must name "
+                               "everything its KV was computed from (span tokens are "
+                               "computed, answers stay right)", detail)
             elif role == KVConnectorRole.SCHEDULER:
                 logger.warning(
                     "minipic span store is off: the weights of %s cannot be found to name "

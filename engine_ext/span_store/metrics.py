@@ -31,7 +31,9 @@ Metrics (Prometheus adds ``_total`` to counters):
   (``tiers/directory.py``: entries under the old one became misses, none deleted);
 * ``minipic:span_store_off{reason}`` -- 1 when this engine turned its store off at start
   (``weights_mismatch``: the weights this engine found differ from the digest it was started
-  with; ``weights_unknown``: its weights cannot be found to hash).
+  with; ``weights_unknown``: its weights cannot be found to hash; ``kv_inputs_unnamed``: its KV
+  depends on something the fingerprint cannot name, a URI or tensorizer load, a callable
+  ``hf_overrides``, a drafter or config that cannot be found).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ BLOCK_EVENTS = ("saved", "loaded", "failed_load", "skipped_no_room")
 PERSISTENT_TIERS = ("disk", "shared")
 # DirTier counters the worker reports
 WRITE_EVENTS = ("write_pauses", "writes_resumed", "key_changes")
-OFF_REASONS = ("weights_mismatch", "weights_unknown")
+OFF_REASONS = ("weights_mismatch", "weights_unknown", "kv_inputs_unnamed")
 # the scheduler-side counter each payload field is the increase of
 _COUNT_OF_EVENT = {"saved": "saved_blocks", "loaded": "loaded_blocks",
                    "failed_load": "failed_loads", "skipped_no_room": "skipped_no_room"}
@@ -176,8 +178,9 @@ class SpanStorePromMetrics(KVConnectorPromMetrics):
         per_label(
             "off_{}", "minipic:span_store_off",
             "1 when this engine turned its span store off at start: weights_mismatch (the "
-            "weights it found differ from the digest it was started with) or weights_unknown "
-            "(its weights cannot be found to hash).", "reason", OFF_REASONS)
+            "weights it found differ from the digest it was started with), weights_unknown "
+            "(its weights cannot be found to hash) or kv_inputs_unnamed (its KV depends on "
+            "what the fingerprint cannot name).", "reason", OFF_REASONS)
         per_label(
             "{}", "minipic:span_store_blocks",
             "Span store block events: saved, loaded, failed loads (a miss, the block is "

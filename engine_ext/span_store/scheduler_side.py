@@ -55,8 +55,9 @@ V = TypeVar("V")
 
 logger = logging.getLogger("vllm.minipic.span_store")
 
-# Keys this engine's worker saved, remembered so that a lookup needs no stat: bounded (an LRU),
-# because a key the RAM tier evicted long ago is as likely on disk as any other (one stat).
+# Keys this engine's worker saved, remembered so that a lookup finds them before the tiers' own
+# index has listed them (``tiers/dir_index.py``: ``has`` touches no file either): bounded (an
+# LRU), because a key the RAM tier evicted long ago is as likely on disk as any other.
 MAX_KNOWN_KEYS = 1 << 16
 
 

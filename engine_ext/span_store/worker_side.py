@@ -60,6 +60,8 @@ class PageCopier:
         self.page_bytes = first[0].numel() * first.element_size()
         if any(c[0].numel() * c.element_size() != self.page_bytes for c in self.caches):
             raise ValueError("minipic span store: attention layers with different page sizes")
+        for tier in self.store.tiers:  # a file larger than our entries is refused unread
+            tier.bound_entries(self.page_bytes * len(self.caches))
 
     def _meta(self, home: int) -> dict[str, Any]:
         return {"home": home, "layers": len(self.layers), "page_bytes": self.page_bytes,

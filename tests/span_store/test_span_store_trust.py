@@ -76,7 +76,7 @@ def open_dir() -> Iterator[Path]:
 
 
 @pytest.mark.parametrize(("group_access", "files", "folders", "mask"),
-                         [(False, 0o600, 0o700, 0o000), (True, 0o640, 0o750, 0o077)])
+                         [(False, 0o600, 0o700, 0o000), (True, 0o660, 0o2770, 0o077)])
 def test_modes_are_the_tiers_whatever_the_umask(tmp_path, rng, group_access, files, folders,
                                                 mask):
     root = tmp_path / "a" / "store"
@@ -147,6 +147,7 @@ def test_entries_forged_are_removed_and_another_stores_are_kept_misses(tmp_path,
         else:
             path.write_bytes(_forge(key, entry, None if forged == "unkeyed" else os.urandom(32),
                                     FP, claimed_key_id=ours))
+        tier.rescan()  # has() answers from what the tier knows (dir_index): now the name
         assert tier.has(key)  # a name is there...
         assert store.get(key) is None, forged  # ...but never our KV
         assert path.exists() == (forged == "other store"), forged
@@ -241,7 +242,7 @@ def test_replicas_started_together_agree_on_one_secret(tmp_path, seed):
         "from engine_ext.span_store.tiers import DirTier, Entry\n"
         "root, me, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])\n"
         "while time.time() < start: pass\n"
-        "tier = DirTier(root, 1 << 26, 'fp')\n"
+        "tier = DirTier(root, 1 << 26, 'fp', refresh_s=0.05)  # has() learns of others' writes\n"
         f"key = lambda i: random.Random({seed} + i).randbytes(32).hex()\n"
         "assert tier.put(key(me), Entry(b'%d' % me * 100, {'me': me}))\n"
         "deadline = time.time() + 20\n"
@@ -357,5 +358,7 @@ def test_a_secret_or_folder_of_another_user_means_no_store(tmp_path, rng, caplog
     # group mode trusts the configured group, and only it
     assert not DirTier(root, 64 << 20, FP, group_access=True).usable
     os.chmod(root / SECRET_NAME, 0o640)
+    for path in (root, root / SECRET_NAME):  # both must carry the store's group
+        os.chown(path, -1, 65534)
     grouped = DirTier(root, 64 << 20, FP, group_access=True, group=65534)
     assert grouped.usable and grouped.get(key) == entry

@@ -15,8 +15,11 @@ with a small JSON metadata dict. Nothing here knows about vLLM or tensors.
   dropped and counted, never blocked on.
 
 The rest: ``base`` (:class:`Entry`, the key rule, the reasons a read misses), ``format`` (the
-entry file's bytes: the only writer and reader of them), ``files`` (the store's secret, file
-modes, no-follow opens, the MAC), ``backoff`` (when writes resume after a fault).
+entry file's bytes: the only writer and reader of them), ``files`` (file modes, no-follow
+opens, the MAC), ``secret`` (the store's secret: created, read, rotated, kept through a bad
+look), ``backoff`` (when writes resume after a fault), ``folder_usage`` (the folder-wide byte
+ledger that makes the bound hold per folder, the free-space floor), ``dir_index`` (what a
+directory tier knows of its folder without asking it: ``has``, scans, eviction).
 """
 
 from minipic.engine_ext.span_store.tiers.base import (

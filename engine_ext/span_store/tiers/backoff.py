@@ -29,6 +29,11 @@ class WriteBackoff:
         self._pause_s = 0.0  # the last pause; 0 = writing normally
         self._until = 0.0
 
+    def like(self) -> WriteBackoff:
+        """A fresh back-off with this one's pauses and clock: for another fault of the same
+        tier (its secret file reading bad) that must pause and retry on its own."""
+        return WriteBackoff(self.initial_s, self.max_s, self._clock)
+
     def allowed(self) -> bool:
         """Whether a write may be tried now (normal, or a probe after the pause ran out)."""
         with self._lock:

@@ -2,8 +2,8 @@
 
 It is the embedded default (a local disk) and also the shared tier for several replicas or
 nodes (the same directory on a shared mount). The bytes of an entry file are ``format``'s; how
-the tier touches the filesystem without trusting it (secret, modes, no-follow opens) is
-``files``'; when writes resume after a fault is ``backoff``'s.
+the tier touches the filesystem without trusting it (modes, no-follow opens, the MAC) is
+``files``'; the store's secret, ``secret``'s; when writes resume after a fault, ``backoff``'s.
 
 **Why a shared directory and not Redis/Valkey for replicas.** It needs no extra server to run,
 configure, secure or monitor; it works on one node (several ``minipic serve`` replicas on one
@@ -26,14 +26,16 @@ the file is not ``flock``-ed by anyone and either its writer's pid is dead on th
 older than ``stale_temp_s`` (a writer on another node whose lock this mount does not show is
 still protected by the age rule).
 
-**Shared-directory semantics.** Every process sharing a directory scans it at startup and
-bounds the bytes it knows of: entries found by the scan, its own writes, and others' entries it
-reads; a rescan every ``rescan_interval_s`` (done on the write path, off the caller's thread
-under ``TieredStore``) picks up the rest. LRU order is the file mtime (set with
-nanosecond precision on write and on every hit, so recency is shared between processes); an
-eviction candidate another process touched since we last saw it gets a second chance. Removing
-a file another process is reading is safe on POSIX (its open file stays readable); on NFS that
-reader may get ``ESTALE``, which is a miss.
+**Shared-directory semantics.** The size bound holds for the folder, whatever the number of
+processes writing into it (TP ranks, replicas, ``minipic index``): every write reserves its
+bytes in the folder's ledger first, evicting least recently used entries to make room, and a
+write that would leave the disk's free space below a floor pauses writes (``folder_usage``).
+``has`` answers from memory, never from the filesystem (``dir_index``: what it knows, the
+scans that refresh it, eviction). LRU order is the file mtime (set with nanosecond precision on
+write and on every hit, so recency is shared between processes). Removing a file another
+process is reading is safe on POSIX (its open file stays readable); on NFS that reader may get
+``ESTALE``, which is a miss. A read refuses, before reading a byte, any file larger than the
+largest entry this engine writes (``bound_entries``): a planted sparse file costs nothing.
 
 An entry whose fingerprint is not the tier's (another model or config sharing the directory —
 keys normally already differ, so this is rare) is a miss and is **left in place**: it is valid
@@ -45,18 +47,12 @@ foreign-format files are removed. Each reason is logged once per tier (logger
 ``vllm.minipic.span_store``), and the startup scan samples headers and says once if the
 directory holds another configuration's entries.
 
-**The secret can change under a running process.** Deleting ``.store-key`` (alone, or with the
-whole store folder) rotates it: the first process that needs a secret afterwards creates a new
-random one, and every process sharing the folder adopts whatever secret the file holds -- each
-re-checks the file at most once a second on reads and writes, and at once when it meets an
-entry under a key id it does not know. Adopting a new secret is logged and counted
-(``key_changes``; ``minipic:span_store_key_changes`` on ``/metrics``). Entries under the old
-secret become misses left in place (``other_key``): a rotation costs recomputation, never
-another replica's valid entries. The first ``put`` of a block whose name holds an entry under
-the old secret replaces it (the one overwrite ``put`` does): keys do not name the secret, so
-the old entry would otherwise keep that block a miss until LRU evicted it. Replacing the file
-by another 32-byte secret (mode and owner as the tier's) has the same outcome. A rotation is how to
-revoke whoever learned the old secret (``docs/span_store.md``).
+**The secret can change under a running process** (a rotation: ``secret`` says how it is
+noticed and adopted, and why a bad look at the file keeps the last good one). Entries under the
+old secret become misses left in place (``other_key``). The first ``put`` of a block whose name
+holds an entry under a key id neither ours nor the file's (read just before) replaces it, the
+one overwrite ``put`` does: keys do not name the secret, so the old entry would otherwise keep
+that block a miss until LRU evicted it.
 
 **Faults never reach the caller.** A full or read-only disk (``ENOSPC``, ``EROFS``, ``EACCES``,
 ``EPERM``, ``EDQUOT``) pauses the tier's writes with a warning, for 1 s, then 2 s, 4 s ... up to
@@ -71,15 +67,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import secrets
-import socket
-import stat
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -88,24 +80,28 @@ from typing import Any
 from minipic.engine_ext.span_store.tiers.backoff import WriteBackoff
 from minipic.engine_ext.span_store.tiers.base import (
     KEPT_REASONS,
-    KEY_RE,
     RAM_SOURCE,
     REMOVED_REASONS,
     Entry,
     check_key,
     logger,
 )
+from minipic.engine_ext.span_store.tiers.dir_index import HOST_ID as _HOST_ID
+from minipic.engine_ext.span_store.tiers.dir_index import DirIndex, foreign_sample
 from minipic.engine_ext.span_store.tiers.files import (
     Modes,
     NotAnEntry,
     check_root,
-    key_id,
-    load_secret,
+    create_file,
     make_dir,
     open_entry,
     read_exactly,
     remove_entry_name,
-    secret_stamp,
+)
+from minipic.engine_ext.span_store.tiers.folder_usage import (
+    USAGE_NAME,
+    FolderUsage,
+    free_space_floor,
 )
 from minipic.engine_ext.span_store.tiers.format import (
     FORMAT_VERSION,
@@ -114,9 +110,10 @@ from minipic.engine_ext.span_store.tiers.format import (
     TEMP_PREFIX,
     encode_entry,
     read_entry,
-    read_fingerprint,
     unpack_header,
 )
+from minipic.engine_ext.span_store.tiers.probe import MetadataProbe
+from minipic.engine_ext.span_store.tiers.secret import SecretKeeper
 
 # Write errors that mean "this disk takes no more writes": writes go off, reads continue.
 _WRITES_OFF_ERRNOS = frozenset(
@@ -125,23 +122,16 @@ _WRITES_OFF_ERRNOS = frozenset(
 # link() errors meaning "this filesystem has no hard links" (fall back to rename).
 _NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK,
                              errno.ENOSYS})
-_HOST_ID = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 # how often reads and writes look at the secret file for a rotation (one lstat)
 KEY_CHECK_INTERVAL_S = 1.0
+# the largest entry file a tier reads or writes until told its engine's (``bound_entries``)
+MAX_ENTRY_BYTES = 64 << 20
+# an entry's metadata JSON is ~100 B; what ``bound_entries`` allows for it
+META_ALLOWANCE = 4096
 
 
 class _DirectoryVanished(OSError):
     """The store directory is gone and cannot be recreated."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_all(fd: int, parts: Sequence[bytes]) -> None:
@@ -189,17 +179,21 @@ class DirTier:
     several replicas or nodes. See the module docstring for semantics, ``format`` for the
     files' bytes.
 
-    ``has`` is one ``lstat``; ``get`` reads and verifies the whole file; ``put`` writes
-    atomically and returns False when writes are paused or failed. No method raises for an I/O
-    fault; an invalid key is a ``ValueError`` (a caller bug). A tier whose secret cannot be read
-    (``files``) is *unusable*: every lookup misses and nothing is written.
+    ``has`` touches no file (``dir_index``); ``get`` reads and verifies the whole file (at
+    most ``max_entry_bytes``); ``put`` reserves room in the folder (``folder_usage``), writes
+    atomically and returns False when writes are paused or failed, or there is no room. No
+    method raises for an I/O fault; an invalid key is a ``ValueError`` (a caller bug). A tier
+    whose secret cannot be read when it starts (``secret``) is *unusable*: every lookup misses
+    and nothing is written; a secret file that reads bad later pauses writes only.
     """
 
     def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str,
                  name: str = "disk", *, fsync: bool = True, stale_temp_s: float = 300.0,
                  rescan_interval_s: float = 300.0, header_sample: int = 64,
                  group_access: bool = False, group: int | str | None = None,
-                 backoff: WriteBackoff | None = None) -> None:
+                 backoff: WriteBackoff | None = None, max_entry_bytes: int | None = None,
+                 min_free_bytes: int | None = None, refresh_s: float = 10.0,
+                 probe: MetadataProbe | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if not fingerprint:
@@ -217,33 +211,34 @@ class DirTier:
         if len(self._fp) > 0xFFFF:
             raise ValueError("fingerprint longer than 65535 bytes")
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (size, mtime_ns)
-        self._bytes = 0  # sum of indexed sizes
-        self._reserved = 0  # bytes of writes in flight
         self.modes = Modes.for_access(group_access, group)
+        # the largest file a read opens (``bound_entries``), the free space writes leave
+        # (None: 5% of the disk, at most 1 GiB), how often has() learns of others' entries
+        self.max_entry_bytes = min(self.capacity_bytes, max_entry_bytes or MAX_ENTRY_BYTES)
+        self.min_free_bytes = min_free_bytes
+        self.refresh_s = refresh_s
+        self._usage = FolderUsage(self.path, self.modes, _HOST_ID, stale_temp_s)
+        self._idx = DirIndex(self.path, self._usage, stale_temp_s, self._count)
+        self._probe = probe or MetadataProbe(name=f"span-store-probe-{name}")
         self._backoff = backoff or WriteBackoff()
         self._logged: set[str] = set()
         self._c = dict.fromkeys(
             ("hits", "misses", "corrupt_removed", "foreign_skipped", "read_errors", "writes",
              "already_present", "write_errors", "skipped_writes_off", "too_large", "evictions",
              "temps_removed", "write_pauses", "writes_resumed", "other_key_skipped",
-             "key_changes", "old_secret_replaced"), 0)
-        self._last_scan = 0.0
-        self._secret: bytes | None = None
-        self._secret_stamp: tuple[int, int, int, int] | None = None
-        self._secret_checked = 0.0
+             "key_changes", "old_secret_replaced", "secret_unreadable", "no_room"), 0)
+        # the secret we MAC under; a back-off like the writes' paces re-reads of a bad file
+        self._keys = SecretKeeper(self.path, self.modes, name, backoff=self._backoff.like(),
+                                  count=self._count)
         try:
             make_dir(self.path, self.modes)
             check_root(self.path, self.modes)
-            self._secret = load_secret(self.path, self.modes)
-            self._secret_stamp = secret_stamp(self.path)
-            self._secret_checked = time.monotonic()
+            self._keys.start()
         except OSError as exc:
             logger.warning("span store %r at %s is not used: %s", self.name, self.path,
                            exc.strerror or exc)
-        found = self._scan(sample=header_sample) if self._secret is not None else []
-        with self._lock:
-            self._install_index(found, since_ns=None)
+        if self._secret is not None:  # a start corrects the folder's ledger (a crash's debris)
+            self.rescan(sample=header_sample, correct=True)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -254,22 +249,36 @@ class DirTier:
 
     @property
     def writes_enabled(self) -> bool:
-        """Whether a write may be tried now (not paused after a fault; see ``backoff``)."""
-        return self._secret is not None and self._backoff.allowed()
+        """Whether a write may be tried now (not paused after a fault, see ``backoff``; the
+        secret file reads good, see ``secret``)."""
+        return self._keys.writable and self._backoff.allowed()
+
+    @property
+    def _secret(self) -> bytes | None:
+        """The secret entries are MAC-ed and verified under (the last good one)."""
+        return self._keys.secret
 
     def entry_path(self, key: str) -> Path:
         check_key(key)
         return self.path / key[:2] / f"{key}{SUFFIX}"
 
     def has(self, key: str) -> bool:
-        """Whether a regular file is under ``key``'s name (one ``lstat``; not verified: ``get``
-        may still miss if the file turns out damaged or foreign)."""
+        """Whether an entry is under ``key``'s name: from memory (``dir_index``), else one
+        ``lstat`` on the probe thread within a deadline and a time budget (``probe``), so an
+        entry another replica wrote a moment ago is found and a slow or hung mount never stalls
+        the caller. Not verified: ``get`` may still miss."""
+        check_key(key)
         if self._secret is None:
             return False
-        try:
-            return stat.S_ISREG(os.lstat(self.entry_path(key)).st_mode)
-        except OSError:
-            return False
+        self._idx.start_refresher(self.refresh_s)
+        return key in self._idx or self._probe.is_file(self.entry_path(key))
+
+    def bound_entries(self, payload_bytes: int) -> None:
+        """This engine's entries carry ``payload_bytes`` of KV: refuse, unread, any file larger
+        than such an entry (a planted sparse file would otherwise be read whole before its
+        MAC check), and write none larger."""
+        entry = HEADER.size + len(self._fp) + META_ALLOWANCE + int(payload_bytes)
+        self.max_entry_bytes = min(self.capacity_bytes, entry)
 
     def get(self, key: str) -> Entry | None:
         """Read and verify the entry; None on any miss, fault or failed verification."""
@@ -279,7 +288,7 @@ class DirTier:
             self._miss(key, forget=False)
             return None
         try:
-            fd, st = open_entry(path.parent, path.name, self.capacity_bytes)
+            fd, st = open_entry(path.parent, path.name, self.max_entry_bytes)
             try:
                 result = self._read_verified(key, fd, st)
                 if (result == "other_key" and self._check_secret(force=True)
@@ -313,20 +322,15 @@ class DirTier:
         if self.writes_enabled:
             with contextlib.suppress(OSError):  # LRU recency is best effort (read-only mounts)
                 os.utime(path, ns=(now, now), follow_symlinks=False)
-        with self._lock:
-            self._c["hits"] += 1
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._bytes -= old[0]
-            self._index[key] = (st.st_size, now)
-            self._bytes += st.st_size
+        self._count("hits")
+        self._idx.touch(key, st.st_size, now)
         return result
 
     def put(self, key: str, entry: Entry) -> bool:
         """Write the entry atomically; True if it is on disk afterwards (written now or already
         there — an existing entry is never overwritten, except one MAC-ed under a secret the
-        store no longer has), False when writes are off, the entry is larger than the capacity,
-        or the write failed."""
+        store no longer has), False when writes are off, the entry is larger than
+        ``max_entry_bytes``, the folder has no room for it, or the write failed."""
         path = self.entry_path(key)
         self._check_secret()
         if not self.writes_enabled:
@@ -338,23 +342,32 @@ class DirTier:
             st = None
         replace = False
         if st is not None:
-            if not self._under_old_secret(path):
+            if self._under_old_secret(path):
+                # it may be another replica's, under a secret adopted since our last look at
+                # the file: read the file now, and replace only what is under neither
+                self._check_secret(force=True, read=True)
+                if not self.writes_enabled:
+                    self._count("skipped_writes_off")
+                    return False
+                replace = self._under_old_secret(path)
+            if not replace:
                 self._note_present(key, st)
                 return True
-            # keys do not name the secret, so after a rotation this name holds an entry no
-            # process can read any more (all adopt the file's secret within a second): ours
-            # replaces it, or the block would stay a miss until LRU evicted the old one
-            replace = True
+            # keys do not name the secret: after a rotation this name holds an entry no process
+            # can read any more; ours replaces it, or the block stays a miss until LRU evicts it
         parts = self._encode(key, entry)
         size = sum(len(p) for p in parts)
-        if size > self.capacity_bytes:
+        if size > self.max_entry_bytes:
             self._count("too_large")
             return False
-        if time.monotonic() - self._last_scan > self.rescan_interval_s:
+        if time.monotonic() - self._idx.last_scan > self.rescan_interval_s:
             self.rescan()
-        with self._lock:
-            self._evict_to_fit(size)
-            self._reserved += size
+        secret = self._secret
+        token = self._reserve(key, size, path)
+        if token is None:
+            return False
+        if self._secret != secret:  # the store came back with a new secret: MAC under it
+            parts = self._encode(key, entry)
         mtime: int | None = None
         exists = False
         try:
@@ -370,15 +383,10 @@ class DirTier:
                 logger.warning("span store %r at %s: a write succeeded again; writes resumed",
                                self.name, self.path)
         finally:
-            with self._lock:
-                self._reserved -= size
-                if mtime is not None:
-                    self._c["writes"] += 1
-                    old = self._index.pop(key, None)
-                    if old is not None:
-                        self._bytes -= old[0]
-                    self._index[key] = (size, mtime)
-                    self._bytes += size
+            replaced = st.st_size if replace and st is not None else 0
+            self._idx.settle(token, key, size, mtime, replaced)
+            if mtime is not None:
+                self._count("writes")
         if exists:  # another writer published this key first: its entry stands
             with contextlib.suppress(OSError):
                 self._note_present(key, os.lstat(path))
@@ -393,28 +401,41 @@ class DirTier:
     def keys(self) -> Iterator[str]:
         """Keys of the entry files in the directory now (any writer's; temp files excluded;
         not verified)."""
-        for shard in self._listdir(self.path):
-            if shard.name.startswith(".") or not shard.is_dir(follow_symlinks=False):
-                continue
-            for item in self._listdir(Path(shard.path)):
-                key = self._key_of(shard.name, item.name)
-                if key is not None:
-                    yield key
+        return self._idx.keys()
 
-    def rescan(self) -> None:
+    def rescan(self, sample: int = 0, correct: bool = False) -> None:
         """Re-read the directory: sizes and recency of every entry (other writers' included),
-        and stray temp files removed. Runs at startup and every ``rescan_interval_s`` of puts."""
-        started = time.time_ns()
-        found = self._scan(sample=0)
-        with self._lock:
-            self._install_index(found, since_ns=started)
+        stray temp files removed, the folder's ledger corrected if ``correct`` or due
+        (``folder_usage``); ``sample`` headers read to say once if another configuration's
+        entries are here. Runs at startup and every ``rescan_interval_s`` of puts."""
+        try:
+            correct = correct or self._usage.correction_due(self.rescan_interval_s)
+        except OSError:
+            correct = False
+        found = self._idx.rescan(correct)
+        if not (sample and found):
+            return
+        hits, read, prints = foreign_sample(self.path, found, sample, self._fp,
+                                            self.max_entry_bytes)
+        if hits:
+            self._logged.add("foreign")  # the startup line says it; get() need not repeat it
+            logger.warning(
+                "span store %r at %s: %d of %d sampled entries were written by another model or "
+                "config (fingerprint %s; ours %s); they are never read and age out by LRU",
+                self.name, self.path, hits, read, ", ".join(sorted(prints)),
+                self.fingerprint[:48])
 
     def stats(self) -> dict:
+        """Counters; ``entries`` / ``bytes``: what this process knows of (``dir_index``),
+        ``folder_bytes``: the whole folder's, entries and writes in flight (``folder_usage``)."""
         with self._lock:
-            return {"name": self.name, "path": str(self.path), "entries": len(self._index),
-                    "bytes": self._bytes, "capacity_bytes": self.capacity_bytes,
+            return {"name": self.name, "path": str(self.path), "entries": len(self._idx),
+                    "bytes": self._idx.bytes, "folder_bytes": self._usage.total,
+                    "capacity_bytes": self.capacity_bytes,
+                    "max_entry_bytes": self.max_entry_bytes,
                     "usable": self._secret is not None, "writes_enabled": self.writes_enabled,
-                    "writes_paused": self._backoff.paused, **self._c}
+                    "writes_paused": self._backoff.paused, **self._c,
+                    **self._probe.counts}
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -448,17 +469,11 @@ class DirTier:
             self._forget(key)
 
     def _forget(self, key: str) -> None:
-        with self._lock:
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._bytes -= old[0]
+        self._idx.forget(key)
 
     def _note_present(self, key: str, st: os.stat_result) -> None:
-        with self._lock:
-            self._c["already_present"] += 1
-            if key not in self._index:
-                self._index[key] = (st.st_size, st.st_mtime_ns)
-                self._bytes += st.st_size
+        self._count("already_present")
+        self._idx.touch(key, st.st_size, st.st_mtime_ns, only_new=True)
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -473,19 +488,15 @@ class DirTier:
         discarded)."""
         shard = path.parent
         tmp = shard / f"{TEMP_PREFIX}{_HOST_ID}.{os.getpid()}.{secrets.token_hex(4)}.{key}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-        try:
-            if os.path.islink(shard):  # never write through a planted symlink
-                raise OSError(errno.ELOOP, f"shard folder {shard} is a symlink")
-            fd = os.open(tmp, flags, self.modes.file)
+        try:  # the tier's mode and group, in a shard opened without following a symlink
+            fd = create_file(shard, tmp.name, self.modes)
         except (FileNotFoundError, NotADirectoryError):
             secret = self._secret
             self._recreate(shard)
             if self._secret != secret:  # the store came back with a new secret: MAC under it
                 parts = self._encode(key, entry)
-            fd = os.open(tmp, flags, self.modes.file)
+            fd = create_file(shard, tmp.name, self.modes)
         try:
-            os.fchmod(fd, self.modes.file)  # the tier's mode, not the umask's
             with contextlib.suppress(OSError):  # marks the temp file live for other cleaners
                 fcntl.flock(fd, fcntl.LOCK_EX)
             _write_all(fd, parts)
@@ -527,12 +538,10 @@ class DirTier:
             # new one, or the one another process created first -- never the old one back
             try:
                 check_root(self.path, self.modes)
-                self._adopt_secret(load_secret(self.path, self.modes))
+                self._keys.reload()
             except OSError as exc:
                 raise _DirectoryVanished(exc.errno, exc.strerror) from exc
-            with self._lock:
-                self._index.clear()
-                self._bytes = 0
+            self._idx.clear()
 
     def _under_old_secret(self, path: Path) -> bool:
         """Whether the entry file at ``path`` names another key id than our secret's (read from
@@ -548,66 +557,39 @@ class DirTier:
         finally:
             os.close(fd)
         header = unpack_header(head)
-        return (self._secret is not None and not isinstance(header, str)
-                and header.version == FORMAT_VERSION and header.key_id != key_id(self._secret))
+        ours = self._keys.key_id
+        return (ours is not None and not isinstance(header, str)
+                and header.version == FORMAT_VERSION and header.key_id != ours)
 
-    def _check_secret(self, force: bool = False) -> bool:
-        """Adopt the secret the file holds now if it changed since we read it (at most once per
-        ``KEY_CHECK_INTERVAL_S`` unless ``force``). A missing secret file in an existing folder
-        is a rotation by deletion: a new secret is created (or another process's taken). True
-        when the secret we use changed."""
-        if self._secret is None:
-            return False
-        now = time.monotonic()
-        if not force and now - self._secret_checked < KEY_CHECK_INTERVAL_S:
-            return False
-        self._secret_checked = now
-        stamp = secret_stamp(self.path)
-        if stamp is not None and stamp == self._secret_stamp:
-            return False
-        if stamp is None and not self.path.is_dir():
-            return False  # the whole store is gone: the next write recreates it (_recreate)
+    def _check_secret(self, force: bool = False, read: bool = False) -> bool:
+        """Adopt the secret the file holds now if it changed (``SecretKeeper.check``: at most
+        once per ``KEY_CHECK_INTERVAL_S`` unless ``force``). True when our secret changed."""
+        return self._keys.check(force, KEY_CHECK_INTERVAL_S, read)
+
+    def _reserve(self, key: str, size: int, path: Path) -> str | None:
+        """Room in the folder for ``size`` bytes (``folder_usage``): the ledger's token, or None
+        (counted, or writes paused) when the free-space floor or the bound leaves none."""
+        room = free_space_floor(self.path, self.min_free_bytes)
+        if room is not None and room[0] - size < room[1]:
+            short = OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} for the store: "
+                                          f"{room[0]} B free, the floor is {room[1]} B")
+            self._pause_writes(short, "the disk's free space would fall below the floor")
+            return None
         try:
-            return self._adopt_secret(load_secret(self.path, self.modes))
-        except OSError as exc:
-            logger.warning("span store %r at %s is no longer used: its secret changed and "
-                           "cannot be read (%s)", self.name, self.path, exc.strerror or exc)
-            self._secret = None
-            return True
-
-    def _adopt_secret(self, secret: bytes) -> bool:
-        """Use ``secret`` from now on; log and count it when it differs from ours."""
-        self._secret_stamp = secret_stamp(self.path)
-        if secret == self._secret:
-            return False
-        old, self._secret = self._secret, secret
-        if old is not None:
-            self._count("key_changes")
-            logger.warning("span store %r at %s: the store secret was rotated; entries "
-                           "written under the old one are misses, left in place until LRU "
-                           "evicts them", self.name, self.path)
-        return True
-
-    def _evict_to_fit(self, size: int) -> None:
-        """Under the lock: delete least recently used entries until ``size`` more bytes fit.
-        A candidate touched by another process since we saw it gets one second chance."""
-        second_chance: set[str] = set()
-        while self._index and self._bytes + self._reserved + size > self.capacity_bytes:
-            key, (old_size, mtime) = self._index.popitem(last=False)
-            self._bytes -= old_size
-            path = self.path / key[:2] / f"{key}{SUFFIX}"
             try:
-                st = os.lstat(path)
-            except OSError:
-                continue  # already gone
-            if st.st_mtime_ns > mtime and key not in second_chance:
-                second_chance.add(key)
-                self._index[key] = (st.st_size, st.st_mtime_ns)
-                self._bytes += st.st_size
-                continue
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                self._c["evictions"] += 1
+                token = self._idx.reserve(key, size, self.capacity_bytes, self.rescan_interval_s)
+            except (FileNotFoundError, NotADirectoryError):  # the whole store was deleted
+                self._recreate(path.parent)
+                token = self._idx.reserve(key, size, self.capacity_bytes, self.rescan_interval_s)
+        except _DirectoryVanished as exc:
+            self._pause_writes(exc, "the store directory vanished and cannot be recreated")
+            return None
+        except OSError as exc:
+            self._on_write_error(exc, self.path / USAGE_NAME)
+            return None
+        if token is None:
+            self._count("no_room")
+        return token
 
     def _on_write_error(self, exc: OSError, path: Path) -> None:
         if exc.errno in _WRITES_OFF_ERRNOS:
@@ -626,126 +608,6 @@ class DirTier:
         logger.warning("span store %r at %s: %s (%s); writes paused for %.0f s, then retried "
                        "(reads continue)", self.name, self.path, what,
                        exc.strerror or errno.errorcode.get(exc.errno or 0, exc), pause)
-
-    # -- scanning ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _listdir(path: Path) -> list[os.DirEntry]:
-        try:
-            with os.scandir(path) as it:
-                return list(it)
-        except OSError:
-            return []
-
-    @staticmethod
-    def _key_of(shard: str, name: str) -> str | None:
-        if not name.endswith(SUFFIX):
-            return None
-        key = name[:-len(SUFFIX)]
-        if key[:2] != shard or not KEY_RE.fullmatch(key):
-            return None
-        return key
-
-    def _scan(self, sample: int) -> list[tuple[int, str, int]]:
-        """``(mtime_ns, key, size)`` of every entry file; stray temp files removed; up to
-        ``sample`` headers read to report another configuration's entries once."""
-        found: list[tuple[int, str, int]] = []
-        now = time.time()
-        for shard in self._listdir(self.path):
-            if shard.name.startswith(".") or not shard.is_dir(follow_symlinks=False):
-                continue
-            for item in self._listdir(Path(shard.path)):
-                if item.name.startswith(TEMP_PREFIX):
-                    if self._remove_if_stale(Path(item.path), item.name, now):
-                        self._count("temps_removed")
-                    continue
-                key = self._key_of(shard.name, item.name)
-                if key is None:
-                    continue
-                try:
-                    st = item.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    found.append((st.st_mtime_ns, key, st.st_size))
-        self._last_scan = time.monotonic()
-        if sample and found:
-            self._report_foreign(found, sample)
-        return found
-
-    def _install_index(self, found: list[tuple[int, str, int]], since_ns: int | None) -> None:
-        """Under the lock: the scan becomes the index (LRU order = mtime), keeping entries we
-        indexed while the scan ran (``since_ns``) that it missed."""
-        index: OrderedDict[str, tuple[int, int]] = OrderedDict(
-            (key, (size, mtime)) for mtime, key, size in sorted(found))
-        if since_ns is not None:
-            for key, (size, mtime) in self._index.items():
-                if key not in index and mtime >= since_ns:
-                    index[key] = (size, mtime)
-        self._index = index
-        self._bytes = sum(size for size, _ in index.values())
-
-    def _remove_if_stale(self, path: Path, name: str, now: float) -> bool:
-        """Remove a temp file no live writer can own (see the module docstring)."""
-        parts = name.split(".", 5)  # '', 'tmp', host id, pid, random, key
-        safe = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        try:
-            fd = os.open(path, os.O_RDWR | safe)
-        except PermissionError:  # another user's temp file: read-only is enough for flock
-            try:
-                fd = os.open(path, os.O_RDONLY | safe)
-            except OSError:
-                return False
-        except OSError:
-            return False
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                locked_by_us = True
-            except BlockingIOError:
-                return False  # a live writer holds it
-            except OSError:
-                locked_by_us = False  # no flock on this mount: the age rule alone decides
-            st = os.fstat(fd)
-            dead_here = (locked_by_us and len(parts) == 6 and parts[2] == _HOST_ID
-                         and parts[3].isdigit() and not _pid_alive(int(parts[3])))
-            if dead_here or now - st.st_mtime > self.stale_temp_s:
-                os.unlink(path)
-                return True
-            return False
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-
-    def _report_foreign(self, found: list[tuple[int, str, int]], sample: int) -> None:
-        step = max(1, len(found) // sample)
-        picked = found[::step][:sample]
-        foreign: set[str] = set()
-        hits = 0
-        for _, key, _ in picked:
-            try:
-                fd, _st = open_entry(self.path / key[:2], f"{key}{SUFFIX}", self.capacity_bytes)
-            except OSError:
-                continue
-            try:
-                fp = read_fingerprint(partial(read_exactly, fd))
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-            if fp is None:
-                continue
-            if fp != self._fp:
-                hits += 1
-                foreign.add(fp.decode(errors="replace")[:48])
-        if hits:
-            self._logged.add("foreign")  # the startup line says it; get() need not repeat it
-            logger.warning(
-                "span store %r at %s: %d of %d sampled entries were written by another model or "
-                "config (fingerprint %s; ours %s); they are never read and age out by LRU",
-                self.name, self.path, hits, len(picked), ", ".join(sorted(foreign)),
-                self.fingerprint[:48])
 
     # -- helpers -----------------------------------------------------------------------------
 

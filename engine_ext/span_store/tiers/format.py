@@ -36,13 +36,20 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 from minipic.engine_ext.span_store.tiers.base import Entry
-from minipic.engine_ext.span_store.tiers.files import KEY_ID_BYTES, entry_mac, key_id
+from minipic.engine_ext.span_store.tiers.files import (
+    KEY_ID_BYTES,
+    entry_mac,
+    key_id,
+    open_entry,
+    read_exactly,
+)
 
 MAGIC = b"MPICSPAN"
 # 3: the key id in the header; 2: HMAC under the store's secret; 1: unkeyed sha256
@@ -144,11 +151,18 @@ def read_fingerprint(read: Read) -> bytes | None:
 
 def payload_length(path: Path) -> int | None:
     """The payload length an entry file's header states (unverified; the KV bytes of one
-    block), or None if the file cannot be read or has no entry header."""
+    block), or None if the file cannot be read or has no entry header. Opened like an entry
+    (``files.open_entry``): a symlink, FIFO or folder at ``path`` is refused, never followed or
+    waited on."""
     try:
-        with path.open("rb") as fh:
-            head = fh.read(HEADER.size)
+        fd, _st = open_entry(path.parent, path.name, 1 << 62)
     except OSError:
         return None
+    try:
+        head = read_exactly(fd, HEADER.size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     header = unpack_header(head)
     return None if isinstance(header, str) else header.payload_len
