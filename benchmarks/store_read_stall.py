@@ -153,17 +153,8 @@ async def _one_config(name: str, threads: int | None, args: argparse.Namespace,
             else:
                 dropped = 0
             stamps, window = await _stream_while_loading(engine, prompt, rng, args, rep)
-            gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)
-                    if b >= window["sent"] and a <= window["first"]]
-            steady = [b - a for a, b in zip(stamps, stamps[1:], strict=False)
-                      if b < window["sent"]]
-            gaps.sort()
-            row = {"ttft_s": window["first"] - window["sent"], "cached": window["cached"],
-                   "prompt_tokens": len(prompt), "files_dropped_from_cache": dropped,
-                   "gaps": len(gaps), "gap_p50_ms": 1e3 * statistics.median(gaps),
-                   "gap_p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
-                   "gap_max_ms": 1e3 * gaps[-1],
-                   "steady_gap_ms": 1e3 * statistics.median(steady)}
+            row = {"prompt_tokens": len(prompt), "files_dropped_from_cache": dropped,
+                   **gap_stats(stamps, window)}
             log(f"{name} rep {rep}: TTFT {row['ttft_s']:.2f} s, cached {row['cached']:.0f}, "
                 f"gaps p50 {row['gap_p50_ms']:.0f} / p99 {row['gap_p99_ms']:.0f} / max "
                 f"{row['gap_max_ms']:.0f} ms (steady {row['steady_gap_ms']:.0f} ms)")
@@ -176,25 +167,39 @@ async def _one_config(name: str, threads: int | None, args: argparse.Namespace,
                            "cached")}}
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def gap_stats(stamps: list[float], window: dict[str, float]) -> dict[str, float]:
+    """The stream's inter-token gaps while the prompt was in flight (p50, p99, max), its steady
+    gap before, and the prompt's TTFT and cached tokens."""
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:], strict=False)
+                  if b >= window["sent"] and a <= window["first"])
+    steady = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if b < window["sent"]]
+    return {"ttft_s": window["first"] - window["sent"], "cached": window["cached"],
+            "gaps": len(gaps), "gap_p50_ms": 1e3 * statistics.median(gaps),
+            "gap_p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+            "gap_max_ms": 1e3 * gaps[-1], "steady_gap_ms": 1e3 * statistics.median(steady)}
+
+
+def plot(result: dict[str, Any], path: Path,
+         title: str = "A running stream while another request's spans load (median of reps)",
+         while_: str = "the prompt loads") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(result["configs"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     for offset, key in ((-0.25, "gap_p50_ms"), (0.0, "gap_p99_ms"), (0.25, "gap_max_ms")):
         left.bar([i + offset for i in range(len(names))],
                  [result["configs"][n][key] for n in names], width=0.25,
                  label=key.split("_")[1])
-    left.set_xticks(range(len(names)), names, fontsize=8)
-    left.set_ylabel("decode inter-token gap while the prompt loads (ms)")
+    left.set_xticks(range(len(names)), names, fontsize=7)
+    left.set_ylabel(f"decode inter-token gap while {while_} (ms)")
     left.legend()
     right.bar(range(len(names)), [result["configs"][n]["ttft_s"] for n in names])
-    right.set_xticks(range(len(names)), names, fontsize=8)
+    right.set_xticks(range(len(names)), names, fontsize=7)
     right.set_ylabel(f"TTFT of the {result['prompt_tokens']}-token prompt (s)")
-    fig.suptitle("A running stream while another request's spans load (median of reps)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -55,6 +55,12 @@ class SpanStoreConfig(BaseModel):
                                                              "into the pool")
     read_deadline_s: float = Field(2.0, gt=0, description="a read still running after this is "
                                                           "given up: the block is computed")
+    probe_deadline_ms: float = Field(
+        20.0, gt=0, description="an index miss is checked on the folder by one lstat off the "
+                                "scheduler's thread, waited for at most this long")
+    probe_budget_ms: float = Field(
+        50.0, ge=0, description="most milliseconds per second the scheduler waits for such "
+                                "checks (a slow mount spends it; 0: the index alone answers)")
     weights_digest: str = Field("", description="filled by resolved(): the model's weights")
     weights_of: str = Field("", description="the model and revision weights_digest is of")
 

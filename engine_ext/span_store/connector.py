@@ -84,17 +84,19 @@ class SpanStoreWorkerMetadata(KVConnectorWorkerMetadata):
 
 def _tiers(config: SpanStoreConfig, fingerprint: str) -> list[Any]:
     from minipic.engine_ext.span_store.tiers import DirTier
+    from minipic.engine_ext.span_store.tiers.probe import MetadataProbe
 
     tiers = []
     floor = None if config.min_free_gib is None else int(config.min_free_gib * 2**30)
-    if config.dir:
-        tiers.append(DirTier(config.dir, int(config.disk_gib * 2**30), fingerprint, "disk",
-                             group_access=config.group_access, group=config.group,
-                             min_free_bytes=floor))
-    if config.shared_dir:
-        tiers.append(DirTier(config.shared_dir, int(config.shared_gib * 2**30), fingerprint,
-                             "shared", group_access=config.group_access, group=config.group,
-                             min_free_bytes=floor))
+    for name, folder, gib in (("disk", config.dir, config.disk_gib),
+                              ("shared", config.shared_dir, config.shared_gib)):
+        if folder:
+            probe = MetadataProbe(deadline_s=config.probe_deadline_ms / 1e3,
+                                  budget_s=config.probe_budget_ms / 1e3,
+                                  name=f"span-store-probe-{name}")
+            tiers.append(DirTier(folder, int(gib * 2**30), fingerprint, name,
+                                 group_access=config.group_access, group=config.group,
+                                 min_free_bytes=floor, probe=probe))
     return [tier for tier in tiers if tier.usable]  # an unusable one said why in the log
 
 

@@ -192,7 +192,7 @@ def test_server_killed_and_restarted_mid_batch(dev_server: ServerProcess) -> Non
                                            "on_cold": "retry"}) as orc:
         batch = [(f"q{i}?", [doc(f"Kill{i}"), doc("KillShared")]) for i in range(16)]
         with orc.record_events() as log:
-            pending = orc.submit(orc.aio.answer_many(batch, max_tokens=256))
+            pending = orc.submit(orc.aio.answer_many(batch, max_tokens=96))
             deadline = time.monotonic() + 120
             while sum(e.kind == "final_done" for e in log) < 2:
                 assert time.monotonic() < deadline and not pending.done(), "batch too fast"

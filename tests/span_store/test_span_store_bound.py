@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.store_tiers import key_for
 
 from minipic.engine_ext.span_store.tiers import HEADER, DirTier, Entry, TieredStore
 from minipic.engine_ext.span_store.tiers.backoff import WriteBackoff
@@ -36,16 +37,6 @@ pytestmark = pytest.mark.fast
 REPO = Path(__file__).resolve().parents[2]
 FP = "model=tiny-llama|dtype=float32|bs=16|span=v3|layout=2"
 LEDGER = ".store-usage"
-
-
-@pytest.fixture
-def rng(seed: int) -> random.Random:
-    print(f"seed={seed}")
-    return random.Random(seed)
-
-
-def key_for(rng: random.Random) -> str:
-    return rng.randbytes(32).hex()
 
 
 def entry_for(rng: random.Random, size: int) -> Entry:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.store_tiers import key_for
 
 from minipic.engine_ext.span_store.tiers import DirTier, Entry
 from minipic.engine_ext.span_store.tiers import files as files_mod
@@ -57,17 +58,6 @@ A, B = (2001, 2001), (2002, 2002)  # (uid, primary gid) of two replicas
 SAME_PRIMARY_AS_A = (2003, 2001)  # shares A's primary group, not the store's
 STRANGER = (2004, 2004)
 GUARD_S = 20.0  # how long a call that must not block may take before the test calls it hung
-
-
-@pytest.fixture
-def rng(seed: int) -> random.Random:
-    print(f"seed={seed}")
-    return random.Random(seed)
-
-
-def key_for(rng: random.Random, prefix: str | None = None) -> str:
-    key = rng.randbytes(32).hex()
-    return key if prefix is None else prefix + key[2:]
 
 
 def entry_for(rng: random.Random) -> Entry:

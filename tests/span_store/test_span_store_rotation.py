@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import logging
 import os
 import random
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.store_tiers import key_for
 
 import minipic.engine_ext.span_store.tiers.directory as directory
 from minipic.engine_ext.span_store.tiers import DirTier, Entry
@@ -33,17 +32,6 @@ from minipic.engine_ext.span_store.tiers.files import SECRET_NAME
 pytestmark = pytest.mark.fast
 
 FP = "rotation|model=tiny|dtype=float32|bs=16"
-LOGGER = "vllm.minipic.span_store"
-
-
-@pytest.fixture
-def rng(seed: int) -> random.Random:
-    print(f"seed={seed}")
-    return random.Random(seed)
-
-
-def key_for(rng: random.Random) -> str:
-    return rng.randbytes(32).hex()
 
 
 def entry_for(rng: random.Random) -> Entry:
@@ -58,33 +46,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Records(logging.Handler):
-    """The span-store logger's records, attached to it directly (vLLM, once imported, keeps
-    ``vllm.*`` records from the root logger, where caplog listens)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def warnings(self, text: str) -> list[str]:
-        return [r.getMessage() for r in self.records
-                if r.levelno >= logging.WARNING and text in r.getMessage()]
-
-
-@pytest.fixture
-def logs() -> Iterator[Records]:
-    log = logging.getLogger(LOGGER)
-    handler, level = Records(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    yield handler
-    log.removeHandler(handler)
-    log.setLevel(level)
 
 
 def write_secret(root: Path, secret: bytes, mode: int = 0o600) -> None:

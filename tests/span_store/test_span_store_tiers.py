@@ -16,7 +16,6 @@ import fcntl
 import hashlib
 import hmac
 import json
-import logging
 import os
 import random
 import shutil
@@ -26,10 +25,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.store_tiers import key_for
 
 from minipic.engine_ext.span_store import tiers
 from minipic.engine_ext.span_store.tiers import (
@@ -49,47 +48,9 @@ pytestmark = pytest.mark.fast
 
 REPO = Path(__file__).resolve().parents[2]
 FP = "model=tiny-llama|dtype=float32|bs=16|span=v3|layout=2"
-LOGGER = "vllm.minipic.span_store"
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-@pytest.fixture
-def rng(seed: int) -> random.Random:
-    print(f"seed={seed}")
-    return random.Random(seed)
-
-
-class Records(logging.Handler):
-    """Records of the span-store logger, attached to it directly (vLLM, once imported, stops
-    ``vllm.*`` records from reaching the root logger, where caplog listens)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def warnings(self, needle: str = "") -> list[str]:
-        return [r.getMessage() for r in self.records
-                if r.levelno >= logging.WARNING and needle in r.getMessage()]
-
-
-@pytest.fixture
-def logs() -> Iterator[Records]:
-    log = logging.getLogger(LOGGER)
-    handler, level = Records(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    yield handler
-    log.removeHandler(handler)
-    log.setLevel(level)
-
-
-def key_for(rng: random.Random) -> str:
-    return rng.randbytes(32).hex()
-
 
 def entry_for(rng: random.Random, size: int | None = None) -> Entry:
     size = rng.randrange(1, 300_000) if size is None else size

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.store_tiers import key_for
 
 from minipic.engine_ext.span_store.tiers import DirTier, Entry, TieredStore
 from minipic.engine_ext.span_store.tiers.files import SECRET_NAME
@@ -36,16 +37,6 @@ pytestmark = pytest.mark.fast
 
 REPO = Path(__file__).resolve().parents[2]
 FP = "trust|model=tiny|dtype=float32|bs=16"
-
-
-@pytest.fixture
-def rng(seed: int) -> random.Random:
-    print(f"seed={seed}")
-    return random.Random(seed)
-
-
-def key_for(rng: random.Random) -> str:
-    return rng.randbytes(32).hex()
 
 
 def entry_for(rng: random.Random, size: int = 4000) -> Entry:
