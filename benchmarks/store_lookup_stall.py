@@ -54,8 +54,8 @@ CONFIGS: dict[str, dict[str, float] | None] = {
     "store, every miss asks the mount": UNBOUNDED,
     "store, index + budgeted probe": {},
 }
-SLOW_DIR_ENV = "MINIPIC_BENCH_SLOW_DIR"
-SLOW_MS_ENV = "MINIPIC_BENCH_SLOW_MS"
+SLOW_DIR_ENV = "STORE_LOOKUP_STALL_SLOW_DIR"  # read by the shim only
+SLOW_MS_ENV = "STORE_LOOKUP_STALL_SLOW_MS"
 # A process that imports this (every interpreter, through PYTHONPATH) sees metadata calls under
 # the slow folder take SLOW_MS longer, on whichever thread makes them.
 SITECUSTOMIZE = f'''

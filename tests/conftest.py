@@ -217,6 +217,29 @@ def seed() -> int:
     return fresh_seed()
 
 
+@pytest.fixture
+def rng(seed: int) -> random.Random:
+    """A ``random.Random`` of the test's fresh seed (printed, so a failure replays)."""
+    print(f"seed={seed}")
+    return random.Random(seed)
+
+
+@pytest.fixture
+def logs() -> Any:
+    """The span store logger's records during the test (``support.store_tiers.Records``)."""
+    import logging
+
+    from support.store_tiers import LOGGER, Records
+
+    log = logging.getLogger(LOGGER)
+    handler, level = Records(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    yield handler
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
 @pytest.fixture(scope="module")
 def model_dir() -> Any:
     """The default model's folder, without converting it (the prompt builder's tests need its
