@@ -47,6 +47,13 @@ $(STAMP): pyproject.toml Makefile
 	# PyPI wheel ships it, so Debian's libtcmalloc-minimal4 is unpacked into $(VENV)/lib; where
 	# apt cannot provide it this prints so and the engines run without (span_contract/cpu_runtime.py)
 	$(PY) -m minipic.span_contract.cpu_runtime fetch
+	# Bytecode for every installed module, once, here. uv leaves it to the first import, and where
+	# PYTHONDONTWRITEBYTECODE is set (containers, CI machines) no import ever writes it: every
+	# engine, EngineCore and server process then compiles vLLM, torch and transformers from
+	# source, ~10 s of each start on these cores (a `minipic serve` module's tests: 114 -> 63 s).
+	# A file that cannot compile (torch ships Python-3.12-only test files) only stays lazy.
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+		> $(VENV)/compileall.log 2>&1 || echo "some installed files stay uncompiled (they compile on import): $(VENV)/compileall.log"
 	$(PY) -c "import transformers, vllm; print('transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	$(VENV)/bin/minipic models fetch --tiny
 	touch $(STAMP)
