@@ -44,6 +44,8 @@ KEY_SHADOW_SHARE_ENV = "MINIPIC_ROTATED_POOL_SHARE"
 # -- measurement and comparison -------------------------------------------------------------------
 CPU_ATTN_ENV = "MINIPIC_CPU_ATTN"
 HOLES_PER_STEP_ENV = "MINIPIC_HOLES_PER_STEP"
+SPAN_ROWS_ENV = "MINIPIC_SPAN_ROWS"
+MASKED_CHUNK_ENV = "MINIPIC_MASKED_CHUNK_KIB"
 PROFILE_DIR_ENV = "MINIPIC_PROFILE_DIR"
 INDEX_CHILD_ENV = "MINIPIC_INDEX_CHILD"
 # -- the test suite and its tools -----------------------------------------------------------------
@@ -100,6 +102,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(CPU_ATTN_ENV, "auto",
              "CPU attention path: auto (vLLM's kernel, shadow keys off home), scratch, torch",
              "engine_ext/attention/cpu_backend.py"),
+    Variable(SPAN_ROWS_ENV, "kernel",
+             "how a span's own tokens are attended: kernel (vLLM's kernel over a copy of the "
+             "span's keys), masked (the masked torch path, the comparison of the benchmarks)",
+             "engine_ext/attention/masked_rows.py"),
+    Variable(MASKED_CHUNK_ENV, "65536",
+             "score memory of one chunk of queries on the masked torch path, in KiB",
+             "engine_ext/attention/masked_rows.py"),
     Variable(HOLES_PER_STEP_ENV, "all",
              "one: one hole per engine step (the comparison schedule of the benchmarks)",
              "engine_ext/holes/scheduler_steps.py"),

@@ -179,7 +179,12 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVQuantMode,
 )
 
-from minipic.engine_ext.attention import cpu_kv_layout, masked_rows  # noqa: E402
+from minipic.engine_ext.attention import (  # noqa: E402
+    cpu_kv_layout,
+    kept_pool,  # noqa: E402
+    masked_rows,
+)
+from minipic.engine_ext.attention.kept_pool import KeptPool  # noqa: E402
 from minipic.engine_ext.attention.key_shadow.pages import KeyShadow  # noqa: E402
 from minipic.engine_ext.attention.key_shadow.pool import (  # noqa: E402
     KeyShadowIndex,
@@ -275,6 +280,12 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.rotated = KeyShadowIndex(
             cap=pool_cap_entries(entry_bytes, longest, scratch) if self.position_free else None,
             entry_bytes=entry_bytes)
+        # the pages of span requests' kept copies: the key shadow's share of the group's blocks
+        # (``kept_pool``; rule 1 sends every request that reads a span off home to them)
+        self.kept = KeptPool(int((vllm_config.cache_config.num_gpu_blocks or 0) * pool_share()),
+                             kv_cache_spec.block_size)
+        if self.position_free:
+            kept_pool.POOLS.append(self.kept)
         if self.position_free:
             _BUILDERS.update(dict.fromkeys(layer_names, self))
 
@@ -309,6 +320,7 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             key_start=view.key_start,
             positions=step_positions(query_start_loc, seq_lens),
             view=view,
+            kept=self.kept,
         )
         md.plan = plan
         return md
@@ -390,7 +402,11 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         if key is not None and value is not None:
             self._write(layer, key[:n], value[:n], key_cache, value_cache, plan, rope)
 
-        if plan.masked is not None:
+        if plan.masked is None:
+            kept_pages = self.__dict__.get("_kept_pages")
+            if plan.kept_release and kept_pages is not None:  # their requests left the batch
+                kept_pages.release(plan.kept_release)
+        else:
             if rope is None:
                 raise RuntimeError(
                     "minipic: a span-opted-in request reached a layer that keeps stock rotated "
@@ -537,20 +553,28 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
 
             pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1],
                                   2 * key_cache.shape[2], self.head_size)
-            # the kept keys live in the key shadow's share of the memory (the shadow itself
-            # idles: every request that reads a span off home holds layout tokens, so it comes
-            # here)
-            cap = int(kv_cache.numel() * kv_cache.element_size() * pool_share())
-            kept = self.__dict__.setdefault("_kept_keys", {})
-            kept.clear()  # copies of another cache tensor's content
-            context = (kv_cache, self._layout(layer, key_cache), shift, rotate, pages, cap,
-                       _LayerKernel(self, layer, kv_cache.dtype), kept)
+            context = (kv_cache, self._layout(layer, key_cache), shift, rotate, pages,
+                       _LayerKernel(self, layer, kv_cache.dtype),
+                       masked_rows.RowSettings.from_env())
             self._masked_context = context
-        _, layout, shift, rotate, pages, cap, kernel, kept = context
+        _, layout, shift, rotate, pages, kernel, settings = context
         rows = masked_rows.prepare(plan.masked, plan.home_slots, key_cache.shape[2], shift)
-        masked_rows.attend(rows, query, pages, layout, rotate, kernel, self.scale, output, kept,
-                           cap, window=max(self.sliding_window, 0),
-                           softcap=self.logits_soft_cap or 0.0, sinks=self._sinks())
+        step = masked_rows.kept_step(plan.masked)
+        kept_pages = None
+        if step is not None and plan.masked.kept is not None and plan.masked.kept.pages:
+            # this layer's pages of the group's kept copies (``kept_pool``): address space,
+            # committed only where written, given back when their request leaves
+            shape = (plan.masked.kept.pages, *pages.shape[1:])
+            shadow = self.__dict__.get("_kept_pages")
+            if shadow is None or not shadow.matches(shape, kv_cache.dtype):
+                self._kept_pages = shadow = KeyShadow(shape, kv_cache.dtype)
+            if step.release:
+                shadow.release(step.release)
+            kept_pages = shadow.pages
+        masked_rows.attend(rows, query, pages, layout, rotate, kernel, self.scale, output,
+                           step, kept_pages, window=max(self.sliding_window, 0),
+                           softcap=self.logits_soft_cap or 0.0, sinks=self._sinks(),
+                           settings=settings)
 
     def _position_free_pages(self, layer: Any, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, block_table: torch.Tensor,

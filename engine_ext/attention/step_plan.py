@@ -36,6 +36,7 @@ import torch
 from minipic.engine_ext.attention.key_shadow.pool import KeyShadowIndex
 
 if TYPE_CHECKING:
+    from minipic.engine_ext.attention.kept_pool import KeptPool
     from minipic.engine_ext.attention.span_isolation import SpanView
 
 
@@ -88,8 +89,9 @@ class MaskedBatch:
     key_start: torch.Tensor | None  # [T] int64 (None: 0)
     key_sink: torch.Tensor | None = None  # [R, W] bool
     query_isolated: torch.Tensor | None = None  # [T] bool
-    # the request of each row, None where a request has several rows (holes) in the step
+    # the request of each row (None: unknown, nothing kept); a request's rows share one copy
     requests: list[str | None] = dataclasses.field(default_factory=list)
+    kept: KeptPool | None = None  # the group's pool of kept copies (None: a copy per step)
     # what every layer of the step shares, built by the first (``attention/masked_rows.py``)
     derived: dict = dataclasses.field(default_factory=dict)
 
@@ -192,6 +194,8 @@ class StepPlan:
     masked: MaskedBatch | None = None  # requests with layout tokens (rule 1)
     release_pool: bool = False  # the pool was released (idle): layers free their pages
     home_slots: torch.Tensor | None = None  # HomeSlots.slot after this step's writes
+    # pages of kept copies whose requests left (a step without span requests): given back
+    kept_release: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def off_home(self) -> OffHomeBatch | None:
@@ -208,7 +212,7 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
               rotated: KeyShadowIndex | None = None,
               key_start: torch.Tensor | None = None,
               positions: torch.Tensor | None = None,
-              view: SpanView | None = None) -> StepPlan:
+              view: SpanView | None = None, kept: KeptPool | None = None) -> StepPlan:
     """Positions, home-slot bookkeeping and the off-home sub-batch of one step.
 
     ``query_start_loc`` / ``seq_lens`` / ``block_table`` cover exactly the step's requests and
@@ -254,8 +258,10 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     if rotated.held:  # an empty pool has nothing to invalidate (every PIC-off step)
         rotated.invalidate(blocks.unique().tolist())
     masked = None
+    kept_release: list[int] = []
     if view is not None and view.any_masked:
         masked = _masked_batch(view, qsl, lens, block_table, positions)
+        masked.kept = kept
         keep = (~view.masked).nonzero().flatten()
         kept_rows = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in keep.tolist()]
                               + [torch.zeros(0, dtype=torch.long)])
@@ -272,11 +278,13 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
         chunks, home_batch, released = _plan_attention(
             home, qsl, lens, block_table, block_size, path, scheduler_metadata, rotated,
             key_start, positions, gapped)
+        if kept is not None:
+            kept_release = kept.keep_only(set())
     return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
                     write_blocks=blocks, write_offsets=slots - blocks * block_size,
                     write_positions=write_positions, off_home_chunks=chunks, home=home_batch,
                     key_start=key_start, masked=masked, release_pool=released,
-                    home_slots=home.slot)
+                    home_slots=home.slot, kept_release=kept_release)
 
 
 def _plan_attention(home: HomeSlots, qsl: torch.Tensor, lens: torch.Tensor,
@@ -414,8 +422,8 @@ def _masked_batch(view: SpanView, qsl: torch.Tensor, lens: torch.Tensor,
     sub_qsl[1:] = torch.cumsum(qsl[1:][reqs] - qsl[:-1][reqs], 0)
     row_qsl, row_lens, row_req = gap_rows(sub_qsl, positions[rows])
     req = torch.tensor(reqs, dtype=torch.long)[row_req]
-    owners = [view.req_ids[r] if view.req_ids else None for r in req.tolist()]
-    requests = [o if owners.count(o) == 1 else None for o in owners]
+    # a request's rows (its holes) share its kept copy: each extends it to its own keys
+    requests = [view.req_ids[r] if view.req_ids else None for r in req.tolist()]
     return MaskedBatch(
         rows=rows, query_start_loc=row_qsl.to(torch.int32), seq_lens=row_lens,
         block_table=block_table[req], key_positions=view.key_positions[req],

@@ -52,12 +52,15 @@ def _write_corpus(path: Path, rng: random.Random, count: int) -> list[dict[str, 
     items = []
     for i in range(count):
         # a distinct opening: a span's first block holds only a few of its tokens after the
-        # sink, and two documents that share them share that block's KV entry, which would
-        # make the store's entry count smaller than the manifest's block count
+        # sink (7 of SmolLM2's, digits one token each), and two documents that share them
+        # share that block's KV entry, which would make the store's entry count smaller than
+        # the manifest's block count; a title comes first ("{title}: {text}"), so it leads
+        # with the document's number too (a random 6-digit title alone collided in its first
+        # five digits in ~5% of runs)
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120)))
         item = {"text": f"Document {i}: {words}", "id": f"doc-{i}"}
         if i % 4 == 0:
-            item["title"] = f"Entry {rng.randrange(10**6)}"
+            item["title"] = f"Entry {i} ({rng.randrange(10**6)})"
         items.append(item)
     path.write_text("".join(json.dumps(item) + "\n" for item in items))
     return items

@@ -1,10 +1,11 @@
 """The position-free CPU attention backend on synthetic paged steps, without an engine: the
 set-up ``tests/engine/test_position_free.py`` and ``tests/engine/test_hole_steps.py`` share.
 
-``CpuAttention`` holds one ``MinipicCPUAttentionImpl`` over a fresh 16-block paged cache, with
-vLLM's config lookup faked for its dtype and ``MINIPIC_CPU_ATTN`` set to the path under test;
-a test plans each step (``plan``: ``plan_step``, the C++ kernel's work split unless the path is
-``torch``), checks the plan, and runs the step (``forward``).
+``CpuAttention`` holds one ``MinipicCPUAttentionImpl`` over a fresh paged cache (16 blocks unless
+told) and the pool of kept copies its metadata builder would hold, with vLLM's config lookup
+faked for its dtype and ``MINIPIC_CPU_ATTN`` set to the path under test; a test plans each step
+(``plan``: ``plan_step``, the C++ kernel's work split unless the path is ``torch``), checks the
+plan, and runs the step (``forward``).
 """
 
 from __future__ import annotations
@@ -15,24 +16,27 @@ from typing import Any
 import torch
 
 
-def neox_rope(head_size: int, dtype: torch.dtype) -> Any:
-    """vLLM's neox rotary embedding for ``head_size`` (positions up to 2048)."""
+def neox_rope(head_size: int, dtype: torch.dtype, max_position: int = 2048) -> Any:
+    """vLLM's neox rotary embedding for ``head_size`` (positions up to ``max_position``)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     with set_current_vllm_config(VllmConfig()):
-        return get_rope(head_size=head_size, max_position=2048, is_neox_style=True, dtype=dtype)
+        return get_rope(head_size=head_size, max_position=max_position, is_neox_style=True,
+                        dtype=dtype)
 
 
 class CpuAttention:
     """One backend instance and its paged cache; ``rotated``: the key shadow kept across steps."""
 
     def __init__(self, path: str, dtype: torch.dtype, rope: Any, rotated: Any, monkeypatch: Any,
-                 *, heads: int, kv_heads: int, head: int, block: int) -> None:
+                 *, heads: int, kv_heads: int, head: int, block: int, blocks: int = 16) -> None:
         import vllm._custom_ops as ops
         import vllm.v1.attention.backends.cpu_attn as cpu_attn
 
         from minipic.engine_ext.attention import cpu_backend as rab
+        from minipic.engine_ext.attention.kept_pool import KeptPool
+        from minipic.engine_ext.attention.key_shadow.pool import pool_share
         from minipic.engine_ext.attention.step_plan import HomeSlots
 
         fake_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
@@ -45,8 +49,9 @@ class CpuAttention:
         self.impl.minipic_rope = rope
         self.layer = types.SimpleNamespace(isa=cpu_attn._get_attn_isa(dtype, block, head),
                                            _k_scale_float=1.0, _v_scale_float=1.0)
-        self.kv_cache = torch.zeros(16, kv_heads, block, 2 * head, dtype=dtype)  # the stock page
-        self.home = HomeSlots(16)
+        self.kv_cache = torch.zeros(blocks, kv_heads, block, 2 * head, dtype=dtype)  # stock page
+        self.home = HomeSlots(blocks)
+        self.kept = KeptPool(int(blocks * pool_share()), block)  # as the builder sizes it
 
     def schedule(self, qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """The C++ kernel's work split for a (sub-)batch."""
@@ -59,7 +64,7 @@ class CpuAttention:
         """``plan_step`` for one step; ``step``: its ``key_start`` / ``positions``, if given."""
         return self.rab.plan_step(self.home, qsl, seq_lens, table, slots, self.block, self.path,
                                   None if self.path == "torch" else self.schedule, self.rotated,
-                                  **step)
+                                  kept=self.kept, **step)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 qsl: torch.Tensor, seq_lens: torch.Tensor, table: torch.Tensor,

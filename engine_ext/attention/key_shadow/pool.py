@@ -221,7 +221,8 @@ def install_budget() -> None:
 
 
 def key_shadow_stats(_worker: Any = None) -> dict[str, Any]:
-    """This worker's pools summed (for ``collective_rpc``; the worker argument is unused)."""
+    """This worker's pools summed, the kept copies' pages (``kept_pool``) included (for
+    ``collective_rpc``; the worker argument is unused)."""
     totals: dict[str, Any] = {"pools": len(_POOLS), "bytes": 0, "peak_bytes": 0,
                               "cap_bytes": 0, "releases": 0, "chunked_steps": 0, "evictions": 0,
                               "budget_bytes": _BUDGET["pool_bytes"]}
@@ -230,4 +231,9 @@ def key_shadow_stats(_worker: Any = None) -> dict[str, Any]:
         for key in ("bytes", "peak_bytes", "releases", "chunked_steps", "evictions"):
             totals[key] += s[key]
         totals["cap_bytes"] += s["cap_bytes"] or 0
+    from minipic.engine_ext.attention.kept_pool import POOLS  # the same share's other tenant
+
+    for kept in POOLS:
+        for key, value in kept.stats().items():
+            totals[key] = totals.get(key, 0) + value
     return totals
