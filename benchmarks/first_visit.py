@@ -13,13 +13,16 @@ Every figure is a ratio against a plain prompt that did not opt in, with the sam
 tokens, measured in the same process:
 
 * ``prefill_<N>``: a span prefill of an ``N``-token document (a fresh one: nothing cached), its
-  TTFT and the EngineCore's peak RSS growth during it (``VmHWM`` reset before each request);
+  TTFT and the EngineCore's peak RSS during it above its idle RSS (``VmHWM`` reset before each
+  request; the plain prompt of the size runs first);
 * ``cold_final``: a ``block_attention`` final of 3 documents never prefilled (the spans are
   computed in place, isolated);
 * ``decode_c<C>``: output tokens/s of ``C`` warm span finals decoding together against ``C``
-  warm plain prompts of the same lengths (both fully cached: the time is decode);
+  warm plain prompts of the same lengths (both fully cached: the time is decode), the median of
+  interleaved repeats' ratios;
 * ``index``: a batch of span prefills of fresh documents, as ``minipic index`` sends them,
-  documents/s against the same documents sent as plain prompts;
+  documents/s against the same documents sent as plain prompts (``index_per_token``: the same
+  per token, the span prefills' SSEP, sink and pads counted);
 * ``selective`` / ``boundary``: warm TTFT of ``selective@0.25`` and ``boundary_recompute`` finals
   over ``block_attention`` finals of the same documents (reported: their recomputed heads run
   in the final).
@@ -67,6 +70,7 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()
         self.rng = random.Random(seed)
         self.core = _engine_core_pid()
+        self.idle = 0
 
     def params(self, tokens: int, opted: bool):
         from vllm import SamplingParams
@@ -77,15 +81,18 @@ class Engine:
                               extra_args={SPANS_OPT_IN_KEY: True} if opted else None)
 
     def run(self, prompts: list[list[int]], tokens: int, opted: bool) -> tuple[float, int]:
-        """Seconds for the batch, and the EngineCore's peak RSS growth during it (bytes)."""
+        """Seconds for the batch, and the EngineCore's peak RSS during it above its RSS when
+        idle after the warm-up (bytes). Why above that and not above the RSS just before:
+        the allocator keeps what an earlier request freed, so a request that needs no more
+        than its predecessor shows no growth of its own; its peak still shows what it used."""
         from vllm.inputs import TokensPrompt
 
-        before = _reset_peak(self.core)
+        _reset_peak(self.core)
         t0 = time.perf_counter()
         self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                           self.params(tokens, opted), use_tqdm=False)
         seconds = time.perf_counter() - t0
-        return seconds, max(_peak(self.core) - before, 0)
+        return seconds, max(_peak(self.core) - self.idle, 0)
 
     def document(self, tokens: int) -> str:
         words, text = max(tokens // 2, 8), ""
@@ -104,6 +111,12 @@ class Engine:
         question = f"Which word comes first, {self.rng.choice(WORDS)} or {self.rng.choice(WORDS)}?"
         return self.builder.build(system="Answer from the documents.", spans=docs,
                                   question=question, mode=mode)
+
+    def kept_stats(self) -> dict[str, int]:
+        """The worker's kept-copy pool, summed over its groups."""
+        from minipic.span_contract.engine_utilities import KEY_SHADOW_STATS_RPC
+
+        return self.llm.collective_rpc(KEY_SHADOW_STATS_RPC)[0]
 
     def close(self) -> None:
         from minipic.span_contract.engine_config import close_llm
@@ -150,11 +163,12 @@ def measure(args: argparse.Namespace) -> dict:
 
     engine.run([engine.plain(64)], 1, False)  # warm-up: the first request pays lazy set-up
     engine.run([engine.built([engine.document(64)]).prompt_token_ids], 1, True)
+    engine.idle = _reset_peak(engine.core)
     for _ in range(args.reps):
-        for size in args.sizes:
+        for size in args.sizes:  # ascending: the plain prompt first grows what its size needs
             prefill = engine.built([engine.document(size)]).span_prefills[-1]
-            seconds, rss = engine.run([prefill], 1, True)
             plain_s, plain_rss = engine.run([engine.plain(len(prefill))], 1, False)
+            seconds, rss = engine.run([prefill], 1, True)
             note(f"prefill_{size}_tokens", len(prefill))
             note(f"prefill_{size}_s", seconds)
             note(f"prefill_{size}_plain_s", plain_s)
@@ -167,12 +181,11 @@ def measure(args: argparse.Namespace) -> dict:
         note("cold_final_plain_s", engine.run([engine.plain(len(final.prompt_token_ids))], 1,
                                               False)[0])
         docs = [engine.document(args.doc_tokens) for _ in range(3)]
-        prefills = engine.built(docs).span_prefills
-        engine.run(prefills, 1, True)
         for mode, key in (("block_attention", "block"), ("selective@0.25", "selective"),
                           ("boundary_recompute", "boundary")):
-            note(f"{key}_ttft_s", engine.run([engine.built(docs, mode).prompt_token_ids], 1,
-                                             True)[0])
+            built = engine.built(docs, mode)
+            engine.run(built.span_prefills, 1, True)  # each mode's own prefills (warm finals)
+            note(f"{key}_ttft_s", engine.run([built.prompt_token_ids], 1, True)[0])
         docs = [engine.document(args.doc_tokens) for _ in range(args.index_docs)]
         prefills = [engine.built([d]).span_prefills[-1] for d in docs]
         seconds, _ = engine.run(prefills, 1, True)
@@ -180,6 +193,8 @@ def measure(args: argparse.Namespace) -> dict:
         plain = [[*p[:-1], engine.rng.randrange(100, 1000)] for p in plain]  # no prefix hit
         note("index_docs_per_s", len(docs) / seconds)
         note("index_plain_docs_per_s", len(docs) / engine.run(plain, 1, False)[0])
+        # the span prefills' own tokens (SSEP, sink, pads) over the documents' plain tokens
+        note("index_token_ratio", sum(map(len, prefills)) / sum(map(len, plain)))
     for concurrency in args.concurrency:
         finals = []
         for _ in range(concurrency):
@@ -187,12 +202,26 @@ def measure(args: argparse.Namespace) -> dict:
             engine.run(built.span_prefills, 1, True)
             finals.append(built.prompt_token_ids)
         plains = [engine.plain(len(f)) for f in finals]
-        for key, prompts, opted in (("span", finals, True), ("plain", plains, False)):
+        sides = [("span", finals, True), ("plain", plains, False)]
+        for _, prompts, opted in sides:
             engine.run(prompts, 1, opted)  # everything cached after this
-            long = engine.run(prompts, args.decode_tokens + 1, opted)[0]
-            short = engine.run(prompts, 1, opted)[0]
-            note(f"decode_c{concurrency}_{key}_tok_s",
-                 concurrency * args.decode_tokens / max(long - short, 1e-9))
+        transient = engine.kept_stats()["kept_transient_rows"]
+        speeds: dict[str, list[float]] = {"span": [], "plain": []}
+        for repeat in range(args.decode_repeats):  # interleaved: this box drifts by +-10%
+            for key, prompts, opted in (sides if repeat % 2 == 0 else sides[::-1]):
+                long = engine.run(prompts, args.decode_tokens + 1, opted)[0]
+                short = engine.run(prompts, 1, opted)[0]
+                speeds[key].append(concurrency * args.decode_tokens / max(long - short, 1e-9))
+        for key, values in speeds.items():
+            note(f"decode_c{concurrency}_{key}_tok_s", statistics.median(values))
+        # the kept-copy pool (engine_ext/attention/kept_pool.py): rows that found no room
+        # (their copy was rebuilt for the step) during the timed runs, and its capacity
+        stats = engine.kept_stats()
+        note(f"decode_c{concurrency}_transient_rows", stats["kept_transient_rows"] - transient)
+        note(f"decode_c{concurrency}_kept_peak_pages", stats["kept_peak_pages"])
+        note("kept_capacity_pages", stats["kept_capacity_pages"])
+        note(f"decode_c{concurrency}_ratio", statistics.median(
+            a / b for a, b in zip(speeds["span"], speeds["plain"], strict=True)))
     engine.close()
     return {k: statistics.median(v) for k, v in out.items()}
 
@@ -206,8 +235,9 @@ def ratios(med: dict, args: argparse.Namespace) -> dict[str, float]:
                                     / max(med[f"prefill_{size}_plain_rss_mib"], 1.0))
     r["cold_final"] = med["cold_final_s"] / med["cold_final_plain_s"]
     for c in args.concurrency:
-        r[f"decode_c{c}"] = med[f"decode_c{c}_span_tok_s"] / med[f"decode_c{c}_plain_tok_s"]
+        r[f"decode_c{c}"] = med[f"decode_c{c}_ratio"]
     r["index"] = med["index_docs_per_s"] / med["index_plain_docs_per_s"]
+    r["index_per_token"] = r["index"] * med["index_token_ratio"]  # (reported, no target)
     r["selective_over_block"] = med["selective_ttft_s"] / med["block_ttft_s"]
     r["boundary_over_block"] = med["boundary_ttft_s"] / med["block_ttft_s"]
     return r
@@ -238,6 +268,7 @@ def side_run(side: str, args: argparse.Namespace, seed: int) -> dict:
                "--sizes", *map(str, args.sizes), "--concurrency", *map(str, args.concurrency),
                "--doc-tokens", str(args.doc_tokens), "--index-docs", str(args.index_docs),
                "--decode-tokens", str(args.decode_tokens),
+               "--decode-repeats", str(args.decode_repeats),
                "--max-model-len", str(args.max_model_len)]
         subprocess.run(cmd, env=env, cwd=REPO, check=True)
         return json.loads(path.read_text())
@@ -277,12 +308,14 @@ def main() -> None:
                     help="1k and 3k tokens, concurrency 1 and 8, one round of one rep")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per side")
     ap.add_argument("--reps", type=int, default=2, help="items per round (median)")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 3072, 6144, 8000])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 3072, 6144, 7552])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--doc-tokens", type=int, default=400, help="a final's documents")
     ap.add_argument("--index-docs", type=int, default=8)
-    ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=8448)
+    ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument("--decode-repeats", type=int, default=3,
+                    help="interleaved span / plain decode runs per concurrency (median ratio)")
+    ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
