@@ -181,7 +181,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from minipic.engine_ext.attention import (  # noqa: E402
     cpu_kv_layout,
-    kept_pool,  # noqa: E402
+    kept_pool,
     masked_rows,
 )
 from minipic.engine_ext.attention.kept_pool import KeptPool  # noqa: E402
@@ -286,7 +286,6 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                              kv_cache_spec.block_size)
         if self.position_free:
             kept_pool.POOLS.append(self.kept)
-        if self.position_free:
             _BUILDERS.update(dict.fromkeys(layer_names, self))
 
     def blocks_filled(self, blocks: list[int], home_slots: list[int]) -> None:

@@ -1073,14 +1073,16 @@ def test_sink_keys_paged_ref_matches_dense_ref(causal: bool, with_key_start: boo
     assert torch.equal(paged(key_sink, torch.ones_like(iso)), plain), f"all isolated ({seed})"
     if any(s.any() for s in sink) and not iso[: int(b.query_start_loc[-1])].all():
         # only a test of the mask when some non-isolated query has a sink key in range
-        seen = _sink_seen_by_non_isolated(b, sink, iso, causal, key_start)
+        seen = _sink_seen_by_non_isolated(b, sink, iso, causal, key_start, kp)
         if seen:
             assert rel_err(out, plain) > 1e-4, f"the sink must change some output ({seed})"
 
 
 def _sink_seen_by_non_isolated(b: Batch, sink: list[torch.Tensor], iso: torch.Tensor,
-                               causal: bool, key_start: torch.Tensor | None) -> bool:
-    """Whether some non-isolated query has a sink key (not its own) in its visible range."""
+                               causal: bool, key_start: torch.Tensor | None,
+                               key_positions: torch.Tensor) -> bool:
+    """Whether some non-isolated real query has a sink key (not its own) in its visible range.
+    A layout query (negative position) sees only itself under rule 1, so it never counts."""
     qsl = b.query_start_loc.tolist()
     for i, seq_len in enumerate(b.seq_lens.tolist()):
         q_len = qsl[i + 1] - qsl[i]
@@ -1089,7 +1091,7 @@ def _sink_seen_by_non_isolated(b: Batch, sink: list[torch.Tensor], iso: torch.Te
             lo = 0 if key_start is None else int(key_start[row])
             hi = p + 1 if causal else seq_len
             idx = [j for j in sink[i][lo:hi].nonzero().flatten().add(lo).tolist() if j != p]
-            if not iso[row] and idx:
+            if not iso[row] and idx and int(key_positions[i, p]) >= 0:
                 return True
     return False
 

@@ -29,6 +29,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _PortTaken(Exception):
+    """The drawn port was bound by another process before the server could bind it."""
+
+
 class ServerProcess:
     """A real `minipic serve` subprocess on a free loopback port."""
 
@@ -41,6 +45,22 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
+        """Start the server and wait for ``/health``. The port was free when it was drawn, but
+        another process (an engine's own rendezvous port, a parallel worker's server) may bind
+        it first: such a start is retried once on a fresh port. Any other early exit raises
+        with the log's tail, so that CI's output tells why."""
+        for attempt in range(2):
+            try:
+                return self._start_once(timeout)
+            except _PortTaken as taken:
+                if attempt:
+                    raise RuntimeError(f"minipic serve: port taken twice; see {self.log_path}"
+                                       ) from taken
+                self.port = free_port()
+                self.base_url = f"http://127.0.0.1:{self.port}"
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> ServerProcess:
         import httpx
 
         log = open(self.log_path, "w")
@@ -52,7 +72,11 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"minipic serve exited early; see {self.log_path}")
+                tail = self.log_tail()
+                if "Address already in use" in tail:
+                    raise _PortTaken(self.port)
+                raise RuntimeError(f"minipic serve exited early (code {self.proc.returncode}); "
+                                   f"see {self.log_path}; its last lines:\n{tail}")
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
                     return self
@@ -60,7 +84,14 @@ class ServerProcess:
                 pass
             time.sleep(1)
         self.stop()
-        raise RuntimeError(f"minipic serve not healthy after {timeout}s; see {self.log_path}")
+        raise RuntimeError(f"minipic serve not healthy after {timeout}s; see {self.log_path}; "
+                           f"its last lines:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
