@@ -214,12 +214,11 @@ def measure(args: argparse.Namespace) -> dict:
                 speeds[key].append(concurrency * args.decode_tokens / max(long - short, 1e-9))
         for key, values in speeds.items():
             note(f"decode_c{concurrency}_{key}_tok_s", statistics.median(values))
-        # the kept-copy pool (engine_ext/attention/kept_pool.py): rows that found no room
-        # (their copy was rebuilt for the step) during the timed runs, and its capacity
+        # the kept copies (engine_ext/attention/kept_pool.py, in KV blocks reserved with each
+        # request): rows with none (their copy was built for the step) during the timed runs
         stats = engine.kept_stats()
         note(f"decode_c{concurrency}_transient_rows", stats["kept_transient_rows"] - transient)
         note(f"decode_c{concurrency}_kept_peak_pages", stats["kept_peak_pages"])
-        note("kept_capacity_pages", stats["kept_capacity_pages"])
         note(f"decode_c{concurrency}_ratio", statistics.median(
             a / b for a, b in zip(speeds["span"], speeds["plain"], strict=True)))
     engine.close()

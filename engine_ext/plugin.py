@@ -12,7 +12,9 @@ orchestrator, the tests) set together with the span configuration. When enabled 
   (``engine_ext/attention/span_isolation.py``); used in the worker, where
   ``engine_ext/vllm_surface/integration_guard.py`` proves at the first opted-in step that both are
   on the path vLLM runs, and ``engine_ext/vllm_surface/request_gate.py`` refuses span requests
-  in the front-end (HTTP 400) on a model that is not position-free;
+  in the front-end (HTTP 400) on a model that is not position-free; with it, the blocks of
+  decoding span requests' kept copies, reserved with the request
+  (``engine_ext/attention/kept_reservation.py``, EngineCore and worker);
 * ``holes`` — with ``hash`` and ``rope``: the lookup continues past misses and computes only the
   holes (``engine_ext/holes/scheduler_lookup.py``; EngineCore);
 * ``ckpt``  — sparse recurrent-state checkpoints for hybrid models
@@ -87,13 +89,15 @@ def _register_features() -> None:
     if "rope" in features:
         # No fallback on ImportError: span hashing without position-free attention gives wrong
         # answers (tests/engine/test_position_free.py), so a broken import must stop the engine.
-        from minipic.engine_ext.attention import cpu_backend, span_isolation
+        from minipic.engine_ext.attention import cpu_backend, kept_reservation, span_isolation
         from minipic.engine_ext.attention.key_shadow import pool as key_shadow_pool
         from minipic.engine_ext.vllm_surface import integration_guard, request_gate
 
         cpu_backend.install(config)
         span_isolation.install(config)
         integration_guard.install()  # proves at run time that the two above are on the path
+        kept_reservation.install()  # decoding span requests' copies: KV blocks of their own
+        patches.verify_installed("kept")  # a part of "rope", not a feature of its own
         request_gate.install()  # span requests on a model that is not position-free: a 400
         key_shadow_pool.install_budget()
         installed.add("rope")

@@ -189,7 +189,6 @@ from minipic.engine_ext.attention.key_shadow.pages import KeyShadow  # noqa: E40
 from minipic.engine_ext.attention.key_shadow.pool import (  # noqa: E402
     KeyShadowIndex,
     pool_cap_entries,
-    pool_share,
 )
 from minipic.engine_ext.attention.span_isolation import step_positions, step_span_view  # noqa: E402
 from minipic.engine_ext.attention.step_plan import (  # noqa: E402
@@ -280,10 +279,9 @@ class MinipicCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.rotated = KeyShadowIndex(
             cap=pool_cap_entries(entry_bytes, longest, scratch) if self.position_free else None,
             entry_bytes=entry_bytes)
-        # the pages of span requests' kept copies: the key shadow's share of the group's blocks
-        # (``kept_pool``; rule 1 sends every request that reads a span off home to them)
-        self.kept = KeptPool(int((vllm_config.cache_config.num_gpu_blocks or 0) * pool_share()),
-                             kv_cache_spec.block_size)
+        # span requests' kept copies, in KV-cache blocks the scheduler reserved with them
+        # (``kept_pool``, ``kept_reservation``)
+        self.kept = KeptPool(layer_names, kv_cache_spec.block_size)
         if self.position_free:
             kept_pool.POOLS.append(self.kept)
             _BUILDERS.update(dict.fromkeys(layer_names, self))
@@ -401,11 +399,7 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         if key is not None and value is not None:
             self._write(layer, key[:n], value[:n], key_cache, value_cache, plan, rope)
 
-        if plan.masked is None:
-            kept_pages = self.__dict__.get("_kept_pages")
-            if plan.kept_release and kept_pages is not None:  # their requests left the batch
-                kept_pages.release(plan.kept_release)
-        else:
+        if plan.masked is not None:
             if rope is None:
                 raise RuntimeError(
                     "minipic: a span-opted-in request reached a layer that keeps stock rotated "
@@ -559,17 +553,8 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         _, layout, shift, rotate, pages, kernel, settings = context
         rows = masked_rows.prepare(plan.masked, plan.home_slots, key_cache.shape[2], shift)
         step = masked_rows.kept_step(plan.masked)
-        kept_pages = None
-        if step is not None and plan.masked.kept is not None and plan.masked.kept.pages:
-            # this layer's pages of the group's kept copies (``kept_pool``): address space,
-            # committed only where written, given back when their request leaves
-            shape = (plan.masked.kept.pages, *pages.shape[1:])
-            shadow = self.__dict__.get("_kept_pages")
-            if shadow is None or not shadow.matches(shape, kv_cache.dtype):
-                self._kept_pages = shadow = KeyShadow(shape, kv_cache.dtype)
-            if step.release:
-                shadow.release(step.release)
-            kept_pages = shadow.pages
+        # the kept copies lie in this layer's own cache, in blocks reserved for them
+        kept_pages = pages if step is not None else None
         masked_rows.attend(rows, query, pages, layout, rotate, kernel, self.scale, output,
                            step, kept_pages, window=max(self.sliding_window, 0),
                            softcap=self.logits_soft_cap or 0.0, sinks=self._sinks(),

@@ -1,30 +1,28 @@
-"""The pages that hold span requests' kept copies, one allocator per KV-cache group.
+"""Span requests' kept copies, in the KV-cache blocks reserved for them, one pool per
+KV-cache group.
 
 A span request's question and the tokens it decodes see exactly its real keys, moved to their
 logical positions: a causal prefix of a compact copy of them, which vLLM's kernel attends
 without a mask (``engine_ext/attention/masked_rows.py``). This module decides, once per step
 for every layer of the group, where each request's copy lives and what the step appends to it.
 
-Why one pool of pages and not a tensor per request: every running request's copy sits in the
-same page tensor of a layer, indexed by its own row of a block table, so a step's decoding
-queries of *all* span requests go through **one** kernel call per layer, and their new keys
-through one gather, one rotation and one write; a tensor per request cost a kernel call, a
-rotation and a write per request and layer (at 32 requests decoding together, most of the
-step). And the pool is what bounds and frees the copies:
+Why pages of one tensor and not a tensor per request: every running request's copy sits in
+the layer's own KV-cache tensor, in blocks reserved for it, indexed by its own row of a block
+table, so a step's decoding queries of *all* span requests go through **one** kernel call per
+layer, and their new keys through one gather, one rotation and one write; a tensor per request
+cost a kernel call, a rotation and a write per request and layer (at 32 requests decoding
+together, most of the step). The pages are:
 
-* **reserved with the request**: pages are taken when a request's copy grows and stay its own
-  until it leaves, so a request that got a copy keeps it to its last token; a request that
-  finds no free pages is attended through a copy built for the step (the same result, slower)
-  and takes pages as soon as some are free;
-* **sized** by ``MINIPIC_ROTATED_POOL_SHARE`` of the group's KV blocks: the key shadow's share,
-  which rule 1 leaves idle (every request reading a span off home holds layout tokens). At the
-  default 0.1 the copies of running span requests may hold a tenth of the KV cache's tokens;
-  an operator whose span requests run many at once with long prompts raises the share;
-* **freed** when the request leaves vLLM's batch (finished, aborted, preempted, or not
-  scheduled this step): the step after, every layer gives its pages back to the OS
-  (``madvise``, ``key_shadow/pages.py``);
+* **reserved with the request** by the scheduler (``kept_reservation.py``): KV-cache blocks
+  admitted, preempted and freed with the request's own, so every running span request that
+  decodes holds its copy, and the copies take no memory outside the configured KV space. Each
+  step's reservations arrive with the scheduler output (:func:`set_step_reservations`); a row
+  whose request holds none (a span prefill, an earlier chunk, a request too long to fit twice)
+  is attended through a copy built for the step (the same result, slower);
 * **checked by content**: a copy is extended only while the request reads the same blocks at
-  the same home slots it was built from (compared by value); a rebuilt table starts it over.
+  the same home slots it was built from (compared by value) into the same reserved pages; a
+  rebuilt table or a new reservation (after a preemption) starts it over;
+* **forgotten** when the request leaves the batch; its blocks are the scheduler's to free.
 
 Pure torch, no vLLM import.
 """
@@ -32,7 +30,7 @@ Pure torch, no vLLM import.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,16 +51,13 @@ class _Held:
 
 @dataclass
 class KeptStep:
-    """What every layer does with the pool in one step (built once, by :meth:`KeptPool.plan`).
+    """What every layer does with the copies in one step (built once, by
+    :meth:`KeptPool.plan`): the new keys to gather from the cache (``blocks``, ``offsets``,
+    their ``key_moves`` as rows of the offset table) and the ``slots`` they go to; the plain
+    queries of every pooled row as one kernel batch (``rows`` of the step's query tensor, their
+    ``query_moves``, ``qsl``, ``seq_lens``, ``table``); ``transient``: the rows with no reserved
+    room, attended through a copy of their own for this step."""
 
-    ``release``: pages freed since the last step (every layer gives them back first); the new
-    keys to gather from the cache (``blocks``, ``offsets``, their ``key_moves`` as rows of the
-    offset table) and the ``slots`` they go to; the plain queries of every pooled row as one
-    kernel batch (``rows`` of the step's query tensor, their ``query_moves``, ``qsl``,
-    ``seq_lens``, ``table``); ``transient``: the rows that found no room, attended through a
-    copy of their own for this step."""
-
-    release: list[int]
     blocks: torch.Tensor
     offsets: torch.Tensor
     key_moves: torch.Tensor
@@ -77,43 +72,60 @@ class KeptStep:
 
 
 POOLS: list[KeptPool] = []  # this worker's pools, one per KV-cache group (their stats)
+# this step's reserved copy blocks: {request id: (block ids of group 0, ...)} and the groups'
+# layer names, set by the worker before its forward (kept_reservation.deliver)
+_STEP: dict[str, Any] = {"reserved": {}, "groups": []}
+
+
+def set_step_reservations(reserved: dict[str, tuple[list[int], ...]],
+                          groups: list[list[str]]) -> None:
+    """The step's reserved copy blocks, for every pool of this worker."""
+    _STEP["reserved"], _STEP["groups"] = reserved, groups
 
 
 class KeptPool:
-    """Page ids ``0 .. pages - 1`` of every layer's kept-copy tensor, and the copies in them."""
+    """The copies of one KV-cache group's span requests, in blocks the scheduler reserved."""
 
-    def __init__(self, pages: int, block_size: int) -> None:
-        self.pages = max(int(pages), 0)
+    def __init__(self, layer_names: list[str], block_size: int) -> None:
+        self.layers = frozenset(layer_names)
         self.block_size = block_size
-        self._free = list(range(self.pages - 1, -1, -1))
         self.held: dict[str, _Held] = {}
-        self._released: list[int] = []
+        # None: the step's reservations from the scheduler; a dict: given by its caller (the
+        # attention test harness, which has no scheduler)
+        self.reserved: dict[str, list[int]] | None = None
         self.peak_pages = 0  # most pages held at once
-        self.transient_rows = 0  # rows that found no room (a copy built for the step)
+        self.transient_rows = 0  # rows attended through a copy built for the step
 
     @property
     def used_pages(self) -> int:
-        return self.pages - len(self._free)
+        return sum(len(held.pages) for held in self.held.values())
 
     def stats(self) -> dict[str, int]:
-        return {"kept_pages": self.used_pages, "kept_capacity_pages": self.pages,
-                "kept_peak_pages": self.peak_pages, "kept_requests": len(self.held),
-                "kept_transient_rows": self.transient_rows}
+        return {"kept_pages": self.used_pages, "kept_peak_pages": self.peak_pages,
+                "kept_requests": len(self.held), "kept_transient_rows": self.transient_rows}
 
-    def keep_only(self, requests: set) -> list[int]:
-        """Free the copies of requests not in ``requests``; every page freed since the last
-        call (what the layers give back now)."""
+    def reservations(self) -> dict[str, list[int]]:
+        """Each request's reserved pages in this group, this step."""
+        if self.reserved is not None:
+            return self.reserved
+        group = next((g for g, names in enumerate(_STEP["groups"])
+                      if self.layers.intersection(names)), None)
+        if group is None:
+            return {}
+        return {rid: pages[group] for rid, pages in _STEP["reserved"].items()
+                if len(pages) > group and pages[group]}
+
+    def keep_only(self, requests: set) -> None:
+        """Forget the copies of requests not in ``requests`` (their blocks are the
+        scheduler's)."""
         for gone in [r for r in self.held if r not in requests]:
-            held = self.held.pop(gone)
-            self._free.extend(held.pages)
-            self._released.extend(held.pages)
-        released, self._released = self._released, []
-        return released
+            del self.held[gone]
 
     def plan(self, rows: list[PreparedRow]) -> KeptStep:
         """Where each row's plain queries find their copy this step, and what it appends."""
         bs = self.block_size
-        release = self.keep_only({row.request for row in rows if row.request is not None})
+        self.keep_only({row.request for row in rows if row.request is not None})
+        reserved = self.reservations()
         gather: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         batch: list[tuple[PreparedRow, list[int]]] = []
         transient: list[int] = []
@@ -121,58 +133,44 @@ class KeptPool:
         for index, row in enumerate(rows):
             if not row.plain.queries.numel():
                 continue
-            held = None if row.request in fell_back else self._copy_for(row)
-            if held is None:
+            pages = reserved.get(row.request) if row.request is not None else None
+            held = None if row.request in fell_back or not pages else self._copy_for(row, pages)
+            keys = row.plain.keys
+            new = keys[keys >= held.covered] if held is not None else keys
+            if held is None or -(-(held.count + new.numel()) // bs) > len(pages):
                 transient.append(index)
                 self.transient_rows += 1
                 if row.request is not None:
                     fell_back.add(row.request)
                 continue
-            keys = row.plain.keys
-            new = keys[keys >= held.covered]
-            need = -(-(held.count + new.numel()) // bs) - len(held.pages)
-            if need > len(self._free):
-                transient.append(index)
-                self.transient_rows += 1
-                fell_back.add(row.request)
-                if not held.pages:  # nothing held yet: no entry to keep
-                    self.held.pop(row.request, None)
-                continue
-            held.pages.extend(self._free.pop() for _ in range(need))
+            held.pages = list(pages[:-(-(held.count + new.numel()) // bs)])
             if new.numel():
                 at = torch.arange(held.count, held.count + new.numel())
-                pages = torch.tensor(held.pages, dtype=torch.long)
+                ids = torch.tensor(held.pages, dtype=torch.long)
                 gather.append((row.blocks[new // bs], new % bs, row.key_moves[new],
-                               pages[at // bs] * bs + at % bs))
+                               ids[at // bs] * bs + at % bs))
             held.count += new.numel()
             held.covered = max(held.covered, row.keys)
             full = -(-row.keys // bs)
             held.blocks, held.home = row.blocks[:full], row.home[:full]
             batch.append((row, held.pages))
         self.peak_pages = max(self.peak_pages, self.used_pages)
-        # pages of copies found stale above may already hold a new copy's keys in this step:
-        # every layer gives its pages back before it writes, so they go back now, not later
-        release += self._released
-        self._released = []
         empty = torch.zeros(0, dtype=torch.long)
         columns = [torch.cat(part) if part else empty for part in zip(*gather, strict=True)] \
             if gather else [empty] * 4
-        return KeptStep(release, *columns, *_kernel_rows(batch), transient=transient)
+        return KeptStep(*columns, *_kernel_rows(batch), transient=transient)
 
-    def _copy_for(self, row: PreparedRow) -> _Held | None:
-        """The row's request's copy, valid for what the row reads (a new one where the old was
-        built from other content); None for a row of no known request."""
-        if row.request is None:
-            return None
+    def _copy_for(self, row: PreparedRow, pages: list[int]) -> _Held:
+        """The row's request's copy, valid for what the row reads and where it lies (a new one
+        where the old was built from other content or into other pages)."""
         held = self.held.get(row.request)
         if held is not None:
             full = -(-held.covered // self.block_size)
             if (held.covered <= row.keys and held.blocks.numel() == full
+                    and list(pages[:len(held.pages)]) == held.pages
                     and torch.equal(held.blocks, row.blocks[:full])
                     and torch.equal(held.home, row.home[:full])):
                 return held
-            self._free.extend(held.pages)
-            self._released.extend(held.pages)
         held = _Held(pages=[], count=0, covered=0, blocks=row.blocks[:0], home=row.home[:0])
         self.held[row.request] = held
         return held

@@ -194,8 +194,6 @@ class StepPlan:
     masked: MaskedBatch | None = None  # requests with layout tokens (rule 1)
     release_pool: bool = False  # the pool was released (idle): layers free their pages
     home_slots: torch.Tensor | None = None  # HomeSlots.slot after this step's writes
-    # pages of kept copies whose requests left (a step without span requests): given back
-    kept_release: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def off_home(self) -> OffHomeBatch | None:
@@ -258,7 +256,6 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
     if rotated.held:  # an empty pool has nothing to invalidate (every PIC-off step)
         rotated.invalidate(blocks.unique().tolist())
     masked = None
-    kept_release: list[int] = []
     if view is not None and view.any_masked:
         masked = _masked_batch(view, qsl, lens, block_table, positions)
         masked.kept = kept
@@ -278,13 +275,13 @@ def plan_step(home: HomeSlots, query_start_loc: torch.Tensor, seq_lens: torch.Te
         chunks, home_batch, released = _plan_attention(
             home, qsl, lens, block_table, block_size, path, scheduler_metadata, rotated,
             key_start, positions, gapped)
-        if kept is not None:
-            kept_release = kept.keep_only(set())
+        if kept is not None:  # no span request in the step: none keeps a copy
+            kept.keep_only(set())
     return StepPlan(positions=positions, write_rows=write_rows, write_slots=slots,
                     write_blocks=blocks, write_offsets=slots - blocks * block_size,
                     write_positions=write_positions, off_home_chunks=chunks, home=home_batch,
                     key_start=key_start, masked=masked, release_pool=released,
-                    home_slots=home.slot, kept_release=kept_release)
+                    home_slots=home.slot)
 
 
 def _plan_attention(home: HomeSlots, qsl: torch.Tensor, lens: torch.Tensor,

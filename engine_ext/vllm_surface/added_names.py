@@ -33,6 +33,9 @@ PENDING_HOLES_ATTR = "_minipic_pending_holes"  # GPUModelRunner: holes for the n
 ROTATED_KEYS_REASON_ATTR = "_minipic_rotated_keys_reason"
 ROPE_ATTR = "minipic_rope"  # attention impl: the model's rotary module, keys rotated inside
 OFFSET_TABLES_ATTR = "_minipic_offset_tables"  # rotary module: cos/sin per slot offset
+KEPT_BLOCKS_ATTR = "_minipic_kept_blocks"  # Request: {group: [KVCacheBlock]} of its kept copy
+KEPT_GROUPS_ATTR = "_minipic_kept_groups"  # KVCacheManager: [(group, block size)] with copies
+KEPT_PAGES_ATTR = "minipic_kept_pages"  # SchedulerOutput: {req_id: (block ids per group)}
 
 # -- recurrent checkpoints (engine_ext/recurrent) -------------------------------------------------
 CHECKPOINT_PLAN_ATTR = "_minipic_ckpt_plan"  # Request: its checkpoint plan (None: stock)

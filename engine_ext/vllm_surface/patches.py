@@ -72,7 +72,7 @@ class PatchPoint:
     adds a method of that name would otherwise be overwritten silently).
     """
 
-    feature: str  # plugin feature that installs it (hash, rope, holes, ckpt, store)
+    feature: str  # plugin feature that installs it (hash, rope, kept, holes, ckpt, store)
     target: str  # "module:attribute" or "module:Class.method"
     params: tuple[str, ...]  # parameter names of the stock callable, in order (adds: ours)
     why: str  # why no vLLM extension point covers it
@@ -170,6 +170,22 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                ("self", "num_tokens", "arange_out", "cumsum_dtype"),
                "the one place every per-token value of a step (input id, model position, slot) "
                "is derived from: a holed request's tokens get their hole positions there"),
+    # -- kept: the pages of span requests' kept copies, reserved with the request
+    PatchPoint("kept", f"{_KVM}.allocate_slots",
+               ("self", "request", "num_new_tokens", "num_new_computed_tokens",
+                "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens",
+                "delay_cache_blocks", "num_encoder_tokens", "full_sequence_must_fit",
+                "reserved_blocks", "has_scheduled_reqs", "skip_zeroing_group_ids"),
+               "a decoding span request's kept copy is KV-cache blocks, admitted with its own "
+               "(engine_ext/attention/kept_reservation.py); no hook adds blocks to a request"),
+    PatchPoint("kept", f"{_KVM}.free", ("self", "request"),
+               "the copy's blocks go back to the pool with the request's"),
+    PatchPoint("kept", f"{_SCHED}._update_after_schedule", ("self", "scheduler_output"),
+               "the worker must learn each request's copy blocks of the step"),
+    PatchPoint("kept", "vllm.v1.worker.gpu_worker:Worker.execute_model",
+               ("self", "scheduler_output"),
+               "the one worker call with the step's scheduler output, where the copy blocks "
+               "are handed to the attention builders"),
     # -- rope: position-free attention + span isolation + the key shadow, worker
     PatchPoint("rope", "vllm.model_executor.model_loader.base_loader:initialize_model",
                ("vllm_config", "prefix", "model_class", "model_config"),

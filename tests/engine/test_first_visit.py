@@ -203,15 +203,14 @@ def test_a_6k_span_prefill_equals_the_reference(seed: int, monkeypatch) -> None:
 
 @pytest.mark.fast
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cold_finals_beyond_the_copy_budget_equal_the_reference(
+def test_cold_finals_with_and_without_copy_blocks_equal_the_reference(
         dtype: torch.dtype, seed: int, monkeypatch) -> None:
     """Several cold finals (system prompt, three spans computed in place, question) in one step,
-    then decoded together, with a copy budget too small to keep any request's copy: every step
-    equals the reference; with room, each request keeps one copy across its steps; a request
-    that leaves the batch (finished, aborted, preempted) has its copy freed at the next step,
-    and at the first step without any span request the rest go too."""
-    from minipic.span_contract.env import KEY_SHADOW_SHARE_ENV
-
+    then decoded together: with no blocks reserved for their copies (as for a request the
+    scheduler gave none) every step builds a copy for the step; with blocks reserved, each
+    request keeps one copy in them across its steps; a request that leaves the batch
+    (finished, aborted, preempted) has its copy forgotten at the next step, and at the first
+    step without any span request the rest go too. Every step equals the reference."""
     gen = torch.Generator().manual_seed(seed)
     rope = neox_rope(HEAD, dtype)
     count = 4
@@ -220,15 +219,19 @@ def test_cold_finals_beyond_the_copy_budget_equal_the_reference(
                        int(torch.randint(2, 20, (1,), generator=gen)) + 2)
                for _ in range(count)]
     sizes = [-(-lay.size // BLOCK) for lay in layouts]
-    for share in ("0.0001", "0.9"):
-        monkeypatch.setenv(KEY_SHADOW_SHARE_ENV, share)
+    for reserved in (False, True):
+        # the requests' own blocks, then as many again for their copies
         attn = CpuAttention("auto", dtype, rope, None, monkeypatch, heads=HEADS,
-                            kv_heads=KV_HEADS, head=HEAD, block=BLOCK, blocks=sum(sizes) + 1)
+                            kv_heads=KV_HEADS, head=HEAD, block=BLOCK, blocks=2 * sum(sizes) + 1)
         firsts = [1 + sum(sizes[:i]) for i in range(count)]
         reqs = [make_request(gen, f"r{i}", lay, first, dtype)
                 for i, (lay, first) in enumerate(zip(layouts, firsts, strict=True))]
+        if reserved:
+            for req, size, first in zip(reqs, sizes, firsts, strict=True):
+                copy = first + sum(sizes)
+                attn.reserve(req.name, list(range(copy, copy + size)))
         wants = [req.expected(rope) for req in reqs]
-        kept = attn.kept.held  # the group's pool of kept copies, by request
+        kept = attn.kept.held  # the group's kept copies, by request
         # the prompts without their last two tokens, then two "decode" steps of one token
         steps = [[(req, 0, req.layout.size - 2) for req in reqs],
                  [(req, req.layout.size - 2, req.layout.size - 1) for req in reqs],
@@ -239,15 +242,15 @@ def test_cold_finals_beyond_the_copy_budget_equal_the_reference(
             at = 0
             for req, start, end in step:
                 check(out[at:at + end - start], wants[int(req.name[1:])][start:end], req.values,
-                      dtype,
-                      f"share {share}, step {number}, {req.name}", seed)
+                      dtype, f"reserved {reserved}, step {number}, {req.name}", seed)
                 at += end - start
             held.append(dict(kept))
-        if share == "0.9":
+        if reserved:
             assert all(held[0][r.name] is held[1][r.name] for r in reqs), \
                 f"a copy was rebuilt between steps (seed={seed})"
             assert "r0" not in held[2] and all(r.name in held[2] for r in reqs[1:]), \
                 f"r0 left the batch but its copy stayed (seed={seed})"
+            assert attn.kept.transient_rows == 0, f"seed={seed}"
             plain = torch.tensor([0, 1], dtype=torch.int32)
             lens = torch.tensor([1], dtype=torch.int32)
             table = torch.tensor([[0]], dtype=torch.int32)
@@ -261,16 +264,17 @@ def test_cold_finals_beyond_the_copy_budget_equal_the_reference(
             assert not kept and attn.kept.used_pages == 0, \
                 f"copies outlived every span request: {list(kept)} (seed={seed})"
         else:
-            assert not any(held), f"copies kept past a budget of {share} (seed={seed})"
+            assert not any(held), f"copies kept with no blocks reserved (seed={seed})"
             assert attn.kept.transient_rows >= 2 * count, f"seed={seed}"
 
 
 @pytest.mark.engine
 @pytest.mark.shares("tiny_pic")
 def test_a_request_aborted_mid_decode_frees_its_copy(engines, seed: int) -> None:
-    """In a real engine (tiny Llama, plugin on): a span request decoding holds pages of the
-    kept-copy pool in the worker; aborted mid-decode, its pages are free again once the engine
-    runs its next step (a plain request here), as vLLM frees the request's own state."""
+    """In a real engine (tiny Llama, plugin on): a span request decoding holds its kept copy in
+    KV-cache blocks the scheduler reserved with it; aborted mid-decode, the worker forgets the
+    copy once the engine runs its next step (a plain request here) and the scheduler has every
+    block back (vLLM resets the prefix cache only when no block is in use)."""
     import random
 
     from support.pic_engine import pic_sampling, prefill, random_prompt
@@ -283,20 +287,24 @@ def test_a_request_aborted_mid_decode_frees_its_copy(engines, seed: int) -> None
     prompt = random_prompt(llm, rng, vocab, [rng.randrange(20, 90) for _ in range(3)])
     prefill(llm, prompt.span_prefills)
 
-    def kept_pages() -> int:
-        return sum(reply["kept_pages"] for reply in llm.collective_rpc(KEY_SHADOW_STATS_RPC))
+    def kept(key: str) -> int:
+        return sum(reply[key] for reply in llm.collective_rpc(KEY_SHADOW_STATS_RPC))
 
+    transient = kept("kept_transient_rows")
     engine = llm.llm_engine
     engine.add_request(f"abort-{seed}", {"prompt_token_ids": list(prompt.token_ids)},
                        pic_sampling(max_tokens=64, logprobs=0, ignore_eos=True))
     for _ in range(6):  # the prompt, then a few decode steps
         engine.step()
-    held = kept_pages()
+    held = kept("kept_pages")
     assert held > 0, f"a decoding span request held no kept copy (seed={seed})"
+    assert kept("kept_transient_rows") == transient, \
+        f"a request with reserved blocks built a copy per step (seed={seed})"
     engine.abort_request([f"abort-{seed}"])
     while engine.has_unfinished_requests():
         engine.step()
     plain = [rng.randrange(100, vocab) for _ in range(40)]
     llm.generate([{"prompt_token_ids": plain}], pic_sampling(max_tokens=2, opt_in=False),
                  use_tqdm=False)
-    assert kept_pages() == 0, f"the aborted request's {held} pages stayed held (seed={seed})"
+    assert kept("kept_pages") == 0, f"the aborted request's {held} pages stayed held ({seed})"
+    assert llm.reset_prefix_cache(), f"blocks stayed in use after the abort (seed={seed})"

@@ -642,13 +642,12 @@ def test_kept_keys_follow_a_request_step_by_step(dtype: torch.dtype, seed: int,
     rebuilt; a changed block table makes it start over, equal again."""
     from minipic.engine_ext.attention.span_isolation import SpanView
     from minipic.kernels import dense_attention_ref, rotate
-    from minipic.span_contract.env import KEY_SHADOW_SHARE_ENV
 
     gen = torch.Generator().manual_seed(seed)
     rope = neox_rope(HEAD, dtype)
-    monkeypatch.setenv(KEY_SHADOW_SHARE_ENV, "0.9")  # room for the copy beside a 16-block cache
     attn = CpuAttention("auto", dtype, rope, None, monkeypatch, heads=HEADS, kv_heads=KV_HEADS,
                         head=HEAD, block=BLOCK)
+    attn.reserve("a", [12, 13, 14])  # the copy's blocks, in no table below
     total, system = 72, int(torch.randint(3, 30, (1,), generator=gen))
     layout = torch.zeros(total, dtype=torch.bool)
     layout[system:BLOCK + 1] = True  # the system block's pads and the question's PDEP
@@ -663,7 +662,7 @@ def test_kept_keys_follow_a_request_step_by_step(dtype: torch.dtype, seed: int,
         rotate(unrotated, logical, *args), [keys], [values],
         torch.tensor([0, total], dtype=torch.int32), *args, HEAD**-0.5,
         key_positions=key_positions.unsqueeze(0))
-    kept = attn.kept.held  # the group's pool of kept copies, by request
+    kept = attn.kept.held  # the group's kept copies, by request
     table = torch.tensor([[5, 9, 2]], dtype=torch.int32)
     # two prefill chunks, then single-token decode steps
     steps = [(0, 40), (40, 70), (70, 71), (71, 72)]

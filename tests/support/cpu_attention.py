@@ -36,7 +36,6 @@ class CpuAttention:
 
         from minipic.engine_ext.attention import cpu_backend as rab
         from minipic.engine_ext.attention.kept_pool import KeptPool
-        from minipic.engine_ext.attention.key_shadow.pool import pool_share
         from minipic.engine_ext.attention.step_plan import HomeSlots
 
         fake_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
@@ -51,7 +50,15 @@ class CpuAttention:
                                            _k_scale_float=1.0, _v_scale_float=1.0)
         self.kv_cache = torch.zeros(blocks, kv_heads, block, 2 * head, dtype=dtype)  # stock page
         self.home = HomeSlots(blocks)
-        self.kept = KeptPool(int(blocks * pool_share()), block)  # as the builder sizes it
+        # the kept copies' pages: blocks of this cache the test reserves per request, as the
+        # scheduler does (``reserve``); none reserved: every copy is built for its step
+        self.kept = KeptPool(["layer"], block)
+        self.kept.reserved = {}
+
+    def reserve(self, request: str, pages: list[int]) -> None:
+        """Blocks of the cache for ``request``'s kept copy (they must be in no table)."""
+        assert self.kept.reserved is not None
+        self.kept.reserved[request] = list(pages)
 
     def schedule(self, qsl: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """The C++ kernel's work split for a (sub-)batch."""
