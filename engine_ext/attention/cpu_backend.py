@@ -554,9 +554,8 @@ class MinipicCPUAttentionImpl(CPUAttentionBackendImpl):
         rows = masked_rows.prepare(plan.masked, plan.home_slots, key_cache.shape[2], shift)
         step = masked_rows.kept_step(plan.masked)
         # the kept copies lie in this layer's own cache, in blocks reserved for them
-        kept_pages = pages if step is not None else None
         masked_rows.attend(rows, query, pages, layout, rotate, kernel, self.scale, output,
-                           step, kept_pages, window=max(self.sliding_window, 0),
+                           step, window=max(self.sliding_window, 0),
                            softcap=self.logits_soft_cap or 0.0, sinks=self._sinks(),
                            settings=settings)
 

@@ -91,6 +91,8 @@ def _wrap_allocate_slots(stock: Any) -> Any:
     @functools.wraps(stock)
     def allocate_slots(self: Any, request: Any, num_new_tokens: int, *args: Any,
                        **kwargs: Any) -> Any:
+        if not wants_copy(request, request.num_prompt_tokens):  # a plain request: stock
+            return stock(self, request, num_new_tokens, *args, **kwargs)
         bound = signature.bind(self, request, num_new_tokens, *args, **kwargs)
         bound.apply_defaults()
         params = bound.arguments

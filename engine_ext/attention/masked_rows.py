@@ -326,8 +326,8 @@ class StepCopy:
     """A :class:`Selection`'s keys (moved to their logical positions) and values, in order, in
     pages of vLLM's layout, built for one step in one layer: what its queries attend over with
     vLLM's kernel. A span's own tokens always use one (their span is computed in this step); the
-    plain queries use the kept copies of ``kept_pool`` and one of these only when the pool had
-    no room for their request.
+    plain queries use the kept copies of ``kept_pool`` and one of these only when their request
+    holds no blocks reserved for its copy.
 
     Why it is exact: each key is read from the cache, moved by the model's rotary op by its
     offset, and written by vLLM's writer, as a kept copy's keys are, so a query's answer does
@@ -381,13 +381,13 @@ class StepCopy:
 
 def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
            layout: PageLayout, rotate: Rotate, kernel: PagedKernel, scale: float,
-           output: torch.Tensor, kept: KeptStep | None = None,
-           kept_pages: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+           output: torch.Tensor, kept: KeptStep | None = None, window: int = 0,
+           softcap: float = 0.0,
            sinks: torch.Tensor | None = None, settings: RowSettings = RowSettings()) -> None:
     """One layer: ``kv_cache`` ``[blocks, heads, 2 * bs, D]`` is its cache; writes the
     ``output`` rows of every prepared row. ``kept``: the step's plan of the kept copies
-    (``kept_pool.KeptPool.plan``) and ``kept_pages`` this layer's pages of them (None: every
-    row's plain queries over a copy built for the step). ``window``: the layer's sliding
+    (``kept_pool.KeptPool.plan``; they lie in ``kv_cache``, in blocks reserved for them; None:
+    every row's plain queries over a copy built for the step). ``window``: the layer's sliding
     window in real tokens (0: none; a query at logical position ``p`` sees keys at
     ``p - window < position <= p``, docs/design.md §2); ``softcap``: its logit soft-cap (0:
     none); ``sinks``: its learned per-head sink logits (GPT-OSS; None: none), one more logit in
@@ -425,10 +425,9 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
             rotate(k, row.key_moves[lo:hi])
             _attend_rows(query, row, which, k, values[at:at + hi - lo], mask, rotate, scale,
                          heads, output, softcap, sinks, settings.chunk_bytes)
-    pooled = kept is not None and kept_pages is not None
-    if pooled:
-        _attend_kept(kept, query, kv_cache, kept_pages, layout, rotate, kernel, output)
-    for index in (kept.transient if pooled else range(len(rows))):
+    if kept is not None:
+        _attend_kept(kept, query, kv_cache, layout, rotate, kernel, output)
+    for index in (kept.transient if kept is not None else range(len(rows))):
         row = rows[index]
         if row.plain.queries.numel():  # no room in the pool: a copy for this step
             StepCopy(row, row.plain, kv_cache, layout, rotate, kernel).attend(
@@ -436,14 +435,15 @@ def attend(rows: list[PreparedRow], query: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def _attend_kept(step: KeptStep, query: torch.Tensor, kv_cache: torch.Tensor,
-                 pages: torch.Tensor, layout: PageLayout, rotate: Rotate, kernel: PagedKernel,
+                 layout: PageLayout, rotate: Rotate, kernel: PagedKernel,
                  output: torch.Tensor) -> None:
-    """The pooled rows' plain queries, all requests at once: their new keys into their pages
-    (one gather, one rotation, one write), then one call of vLLM's kernel."""
+    """The pooled rows' plain queries, all requests at once: their new keys into their copies'
+    blocks of the same cache (one gather, one rotation, one write), then one call of vLLM's
+    kernel."""
     if step.blocks.numel():
         k, v = _tokens(layout, kv_cache, step.blocks, step.offsets, step.derived)
         rotate(k, step.key_moves)
-        kernel.write(k, v, pages, step.slots)
+        kernel.write(k, v, kv_cache, step.slots)
     if not step.rows.numel():
         return
     key = ("schedule", getattr(kernel, "window", -1))
@@ -452,7 +452,7 @@ def _attend_kept(step: KeptStep, query: torch.Tensor, kv_cache: torch.Tensor,
     q = query[step.rows]  # a fresh tensor
     rotate(q, step.query_moves)
     out = torch.empty_like(q)
-    kernel.attend(q, pages, step.qsl, step.seq_lens, step.table, step.derived[key], out)
+    kernel.attend(q, kv_cache, step.qsl, step.seq_lens, step.table, step.derived[key], out)
     output[step.rows] = out.to(output.dtype)
 
 

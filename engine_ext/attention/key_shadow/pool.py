@@ -231,7 +231,7 @@ def key_shadow_stats(_worker: Any = None) -> dict[str, Any]:
         for key in ("bytes", "peak_bytes", "releases", "chunked_steps", "evictions"):
             totals[key] += s[key]
         totals["cap_bytes"] += s["cap_bytes"] or 0
-    from minipic.engine_ext.attention.kept_pool import POOLS  # the same share's other tenant
+    from minipic.engine_ext.attention.kept_pool import POOLS  # their pages are KV blocks
 
     for kept in POOLS:
         for key, value in kept.stats().items():
