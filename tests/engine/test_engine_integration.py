@@ -97,7 +97,7 @@ def test_table_covers_every_wrapped_target() -> None:
     rows = table()
     assert len(rows) == len(PATCH_POINTS) and all(f"{VLLM_CHECKED} (run)" in r["checked_against"]
                                                   for r in rows)
-    assert {r["feature"] for r in rows} == {"hash", "holes", "rope", "ckpt", "route",
+    assert {r["feature"] for r in rows} == {"hash", "holes", "rope", "kept", "ckpt", "route",
                                              "documents", "store"}
     assert {r["kind"] for r in rows} == {"wraps", "adds"}
     assert all(r["why"] for r in rows)
