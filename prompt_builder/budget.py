@@ -163,16 +163,33 @@ def fit_texts(
     block_size: int | None = None,
     policy: BudgetPolicy | str = BudgetPolicy.DROP,
     scores: Sequence[float | None] | None = None,
+    builder: Any = None,
+    mode: Any = "block_attention",
 ) -> TextSelection:
     """Choose (and maybe truncate) texts so their tokens fit ``budget_tokens``.
 
     ``counter`` is a tiktoken encoding or its name, an HF tokenizer, or any ``TokenCounter``.
-    With ``block_size`` each text costs its span layout (SSEP + tokens + padding to a block),
-    otherwise its token count. Counts from another tokenizer than the model's are estimates:
-    leave a margin, or budget exactly with ``PromptBuilder.build(max_model_len=...)``.
+    With ``builder`` (a ``PromptBuilder``) each text costs exactly what ``builder.build`` lays
+    out for it as a span in ``mode``: its SSEP, the model's sink, its tokens and the pads (and a
+    recomputed head's PDEP and pads). With only ``block_size``: SSEP + tokens + padding to a
+    block, which is a builder's layout only when it has no sink (``without_sink()``): why
+    ``builder`` is the one to pass, or a text accepted here may not fit ``build`` later.
+    Otherwise each text costs its token count. Counts from another tokenizer than the model's
+    are estimates: leave a margin, or budget exactly with
+    ``PromptBuilder.build(max_model_len=...)``.
     """
     tc = as_token_counter(counter)
     policy = coerce_policy(policy)
+    if builder is not None:
+        from minipic.prompt_builder.modes import make_layout
+
+        config = builder.span_config
+        if block_size is not None and block_size != config.block_size:
+            raise InvalidInputError(f"block_size={block_size} disagrees with the builder's "
+                                    f"{config.block_size}; pass one of them")
+        span_cost: Callable[[int], int] | None = make_layout(mode, config).span_cost
+    else:
+        span_cost = padded_span_cost(block_size) if block_size else None
     if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 0:
         raise InvalidInputError(f"budget_tokens must be a non-negative int, got {budget_tokens!r}")
     for i, text in enumerate(texts):
@@ -181,8 +198,7 @@ def fit_texts(
     if scores is not None and len(scores) != len(texts):
         raise InvalidInputError(f"{len(scores)} scores for {len(texts)} texts")
     sizes = [len(tc.encode(t)) for t in texts]
-    cost = padded_span_cost(block_size) if block_size else (lambda n: n)
-    alloc = allocate(sizes, budget_tokens, cost, policy, scores)
+    alloc = allocate(sizes, budget_tokens, span_cost or (lambda n: n), policy, scores)
     indices = sorted(alloc.kept)
     out = [
         truncate_text(tc, texts[i], alloc.kept[i]) if i in alloc.truncated else texts[i]

@@ -86,7 +86,7 @@ def _spec(mode: Mode, param: str | None) -> ModeSpec:
             share = math.nan
         if not 0.0 <= share <= 1.0:
             raise InvalidInputError(f"selective@{param}: the budget is the share of each span's "
-                                    f"blocks recomputed, a number from 0 to 1 (e.g. "
+                                    f"tokens recomputed, a number from 0 to 1 (e.g. "
                                     f"selective@0.15)")
         return ModeSpec(mode, share=share)
     if mode is Mode.BOUNDARY_RECOMPUTE:
@@ -308,18 +308,23 @@ class BoundaryRecomputeLayout(Layout):
 
 
 class SelectiveLayout(BoundaryRecomputeLayout):
-    """Budgeted recompute: a share ``B`` of each span's blocks recomputed in context, from its
+    """Budgeted recompute: a share ``B`` of each span's tokens recomputed in context, from its
     start (``selective@B``).
 
-    A span of ``n`` tokens fills ``m = ceil((n + lead) / block_size)`` blocks in block_attention
-    (``lead``: its SSEP and sink);
-    here ``round(B * m)`` of them (half up) become its head, recomputed in context, PDEP-led,
-    and the rest its body, reused (the boundary_recompute layout, with the head sized per span)::
+    A span of ``n`` tokens gets a head of ``k = round(B * n)`` of them (half up), recomputed in
+    context, PDEP-led, and the rest its body, reused (the boundary_recompute layout, with the
+    head sized per span)::
 
-        |sys _|P d1[:k1] _|S d1[k1:] ... _|S d2 ... _|P q ...|     (span 2 got 0 blocks)
+        |sys _|P d1[:k1] _|S d1[k1:] ... _|S d2 ... _|P q ...|     (span 2 got k2 = 0)
 
     ``selective@0`` is block_attention's layout, token for token; ``selective@1`` recomputes
     every span in context (no span prefill).
+
+    Why a share of the span's own tokens, not of its blocks: the budget must mean what it says.
+    Counted in blocks of the span's block_attention layout, the share also counted the span's
+    lead (its SSEP and the model's sink, 25 tokens for SmolLM2), which the head does not carry:
+    at ``B = 0.25`` a span of 38 tokens was recomputed whole and one of 150 tokens at 42%, so a
+    mode compared "with and without the sink" compared different budgets.
 
     Why the opening of each span and not blocks chosen per question: measured on held-out items
     (``results/selective_signal/``, docs/design.md §8), recomputing span starts beat the
@@ -338,8 +343,7 @@ class SelectiveLayout(BoundaryRecomputeLayout):
         self.share = share
 
     def head_tokens(self, n: int) -> int:
-        blocks = math.floor(self.share * math.ceil((n + self.span_lead) / self.block_size) + 0.5)
-        return 0 if blocks == 0 else min(n, blocks * self.block_size - 1)
+        return min(n, math.floor(self.share * n + 0.5))
 
 
 def make_layout(mode: Mode | ModeSpec, config: SpanConfig,

@@ -158,34 +158,76 @@ def prompt_layout(tokens: np.ndarray, num_prompt_tokens: int, config: SpanConfig
     return layout
 
 
-def _row_view(tokens: np.ndarray, prompt: np.ndarray, layout: np.ndarray,
-              positions: np.ndarray, config: SpanConfig, block_size: int) -> _RowView:
-    """The span rules for one request: ``tokens`` are its keys (0 .. seq_len - 1), ``prompt``
-    its whole prompt and nothing after it (so every chunk finds the same sinks, and what the
-    model generates never makes one), ``layout`` :func:`prompt_layout` of ``tokens``,
-    ``positions`` its queries'.
+@dataclass
+class _PromptRules:
+    """What the span rules derive from a request's prompt alone, the same at every step of the
+    request: kept per request (:data:`_PROMPTS`), so a decode step reads it instead of walking
+    the whole prompt again (numpy over every prompt token, every step, for every span request).
+    Checked by content: a request whose prompt differs from the kept one's (an id reused) gets
+    its rules derived again."""
+
+    prompt: np.ndarray  # the prompt's token ids (a copy)
+    layout: np.ndarray  # [num_prompt] bool: rule 1's layout tokens
+    sink: np.ndarray  # [num_prompt] bool
+    rope_at: np.ndarray  # [num_prompt] int64: each token's position (layout: its would-be one)
+    real: int  # real tokens in the prompt
+    shift: int  # the positions' constant (the sink's length when the prompt holds a sink)
+    block_start: np.ndarray  # [prompt blocks] int64: block_segments of the prompt's blocks
+    block_isolated: np.ndarray  # [prompt blocks] bool
+
+    @classmethod
+    def derive(cls, prompt: np.ndarray, config: SpanConfig, block_size: int) -> _PromptRules:
+        layout = prompt_layout(prompt, prompt.shape[0], config)
+        sink_index = span_sinks(prompt, block_size, config.ssep_id, config.sink_ids)
+        sink = sink_index >= 0
+        shift = len(config.sink_ids) if sink.any() else 0
+        real = (~layout & ~sink).astype(np.int64)
+        before = np.cumsum(real) - real  # real tokens before each token
+        starts, isolated = block_segments(prompt[::block_size], config.ssep_id, config.pdep_id,
+                                          block_size, prompt.shape[0])
+        return cls(prompt=prompt.copy(), layout=layout, sink=sink,
+                   rope_at=np.where(sink, before + sink_index, before + shift),
+                   real=int(real.sum()), shift=shift, block_start=starts,
+                   block_isolated=isolated)
+
+
+_PROMPTS: dict[str, _PromptRules] = {}  # by request id: the running span requests' rules
+
+
+def _prompt_rules(req_id: str, prompt: np.ndarray, config: SpanConfig,
+                  block_size: int) -> _PromptRules:
+    rules = _PROMPTS.get(req_id)
+    if rules is None or not np.array_equal(rules.prompt, prompt):
+        rules = _PROMPTS[req_id] = _PromptRules.derive(prompt, config, block_size)
+    return rules
+
+
+def _row_view(rules: _PromptRules, seq_len: int, positions: np.ndarray,
+              block_size: int) -> _RowView:
+    """The span rules for one request's keys ``0 .. seq_len - 1`` and its queries at
+    ``positions``, from its prompt's rules (``rules``).
 
     Every rule reads the prompt only: layout, sinks and segments (a generated SSEP at a block
     start opens no span); a generated token is a real token that attends to every real key
-    before it, as the question does (``span_segments.query_segments``).
+    before it, as the question does (``span_segments.query_segments``), so the prompt's rules
+    extend to the generated tokens by arithmetic.
 
     Positions (rule 1 and the sink): a real token sits at the number of real tokens before it,
     plus one constant per request: the sink's length when the request holds a sink, so that a
     span's sink, placed on the positions just before the span's first real token (where the
     span would follow the opening), never goes below 0.
     """
-    num_prompt = prompt.shape[0]
-    sink_index = np.full(tokens.shape[0], -1, dtype=np.int64)
-    in_prompt = span_sinks(prompt, block_size, config.ssep_id, config.sink_ids)
-    shift = len(config.sink_ids) if (in_prompt >= 0).any() else 0
-    head = min(num_prompt, tokens.shape[0])
-    sink_index[:head] = in_prompt[:head]
-    sink = sink_index >= 0
-    real = (~layout & ~sink).astype(np.int64)
-    before = np.cumsum(real) - real  # real tokens before each token
-    rope_at = np.where(sink, before + sink_index, before + shift)
-    starts, isolated = block_segments(tokens[::block_size], config.ssep_id, config.pdep_id,
-                                      block_size, num_prompt)
+    num_prompt = rules.prompt.shape[0]
+    head = min(num_prompt, seq_len)
+    generated = seq_len - head
+    rope_at = np.concatenate([rules.rope_at[:head],
+                              rules.real + rules.shift + np.arange(generated, dtype=np.int64)])
+    layout = np.concatenate([rules.layout[:head], np.zeros(generated, dtype=bool)])
+    sink = np.concatenate([rules.sink[:head], np.zeros(generated, dtype=bool)])
+    blocks = -(-seq_len // block_size)
+    more = max(blocks - rules.block_start.shape[0], 0)  # blocks a generated token starts
+    starts = np.concatenate([rules.block_start[:blocks], np.zeros(more, dtype=np.int64)])
+    isolated = np.concatenate([rules.block_isolated[:blocks], np.zeros(more, dtype=bool)])
     key_start, query_isolated = query_segments(starts, isolated, positions, block_size,
                                                num_prompt)
     return _RowView(key_start=key_start, query_shift=rope_at[positions] - positions,
@@ -220,6 +262,8 @@ def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     lens = seq_lens.tolist()
     holed = worker_positions.positions_with_holes(runner, query_start_loc, seq_lens)
     rows: dict[int, _RowView] = {}
+    for gone in [r for r in _PROMPTS if r not in runner.requests]:  # finished, aborted
+        del _PROMPTS[gone]
     for row, seq_len in enumerate(lens):
         if row >= len(req_ids) or req_ids[row] is None:
             continue
@@ -229,15 +273,14 @@ def step_span_view(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         q_len = qsl[row + 1] - qsl[row]
         if q_len <= 0:
             continue
-        tokens = batch.token_ids_cpu[row, :seq_len]
         num_prompt = int(batch.num_prompt_tokens[row])
-        layout = prompt_layout(tokens, num_prompt, config)  # generated tokens: never layout
-        if not layout.any():
-            continue  # no SSEP in the prompt either: no isolation, nothing to hide
+        rules = _prompt_rules(req_ids[row], batch.token_ids_cpu[row, :num_prompt], config,
+                              block_size)
+        if not rules.layout[:seq_len].any():
+            continue  # no layout token among its keys: no isolation, nothing to hide
         positions = (np.arange(seq_len - q_len, seq_len) if holed is None
                      else holed[qsl[row]:qsl[row + 1]].numpy())
-        prompt = batch.token_ids_cpu[row, :num_prompt]
-        rows[row] = _row_view(tokens, prompt, layout, positions, config, block_size)
+        rows[row] = _row_view(rules, seq_len, positions, block_size)
     if not rows:
         return view
     num_tokens = qsl[-1]

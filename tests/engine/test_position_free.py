@@ -168,10 +168,12 @@ def test_worker_span_rules_read_the_prompt_only(open_span: bool, seed) -> None:
     mask and positions, equal the reference definition (``minipic/tune/layout.py``) on a
     prompt that holds a system prompt with pads, a span with a sink and a question (or a span
     left open), followed by generated tokens that carry every layout id, an SSEP at a block
-    start included: those are real tokens, never isolated."""
+    start included: those are real tokens, never isolated. The rules, derived once from the
+    prompt and kept per request, give every step (a chunk of the prompt, a decode step) the
+    part of them its keys and queries cover."""
     import numpy as np
 
-    from minipic.engine_ext.attention.span_isolation import _row_view, prompt_layout
+    from minipic.engine_ext.attention.span_isolation import _PromptRules, _row_view
     from minipic.span_contract.span_config import SpanConfig
     from minipic.tune.layout import layout_view
 
@@ -197,8 +199,17 @@ def test_worker_span_rules_read_the_prompt_only(open_span: bool, seed) -> None:
     assert (len(prompt) + tail) % bs == 0  # the generated SSEP sits at a block start
     tokens = np.array(prompt + generated)
     n, num_prompt = len(tokens), len(prompt)
-    view = _row_view(tokens, tokens[:num_prompt], prompt_layout(tokens, num_prompt, cfg),
-                     np.arange(n), cfg, bs)
+    rules = _PromptRules.derive(tokens[:num_prompt], cfg, bs)
+    view = _row_view(rules, n, np.arange(n), bs)
+    for _ in range(4):  # a step computing queries lo .. hi - 1 over keys 0 .. hi - 1
+        hi = rng.randrange(1, n + 1)
+        lo = rng.randrange(0, hi)
+        step = _row_view(rules, hi, np.arange(lo, hi), bs)
+        assert np.array_equal(step.key_positions, view.key_positions[:hi]), f"seed={seed}"
+        assert np.array_equal(step.sink, view.sink[:hi]), f"seed={seed}"
+        for mine, whole in ((step.key_start, view.key_start), (step.isolated, view.isolated),
+                            (step.query_shift, view.query_shift)):
+            assert np.array_equal(mine, whole[lo:hi]), f"seed={seed}"
 
     allowed_ref, positions_ref = layout_view(tokens.tolist(), spans,
                                              (cfg.ssep_id, cfg.pdep_id, cfg.pad_id),

@@ -26,6 +26,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, PromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableLambda
+from support.pic_reference import REFERENCE_TOL, PicReference, greedy_error
 
 from minipic.integrations.langchain.runnable import (
     SpanRAGRunnable,
@@ -36,6 +37,8 @@ from minipic.integrations.langchain.runnable import (
 )
 from minipic.integrations.langchain.wiki_retriever import WikiRetriever
 from minipic.orchestrator import Answer, BadInputError, Orchestrator, SyncOrchestrator
+from minipic.span_contract.models import default_model_dir
+from minipic.tune.layout import isolated_runs
 
 pytestmark = pytest.mark.shares("tiny_orchestrator", "smol_server")
 
@@ -313,11 +316,19 @@ async def test_wiki_rag_chain_answers_with_the_default_model(smol_server) -> Non
                    "provided. Reply with a short phrase, not a sentence.",
             answer_kwargs={"max_tokens": 24},
         )
-        answer = await chain.ainvoke("What is the height of K2?")
-        # block_attention approximates the plain prompt's "8,611"; on this question it reads
-        # another passage (tests/sdk/test_orchestrator.py::test_real_answer_with_the_default_model)
-        assert "K2" in answer.text and answer.cache_ok and answer.cached_tokens > 0, answer.text
+        question = "What is the height of K2?"
+        answer = await chain.ainvoke(question)
+        assert answer.cache_ok and answer.cached_tokens > 0, answer
         assert "wiki:K2" in [s.span_id for s in answer.spans]
+        # the engine decoded, over HTTP, what the layout rule's reference decodes for the prompt
+        # the chain sent (block_attention's fidelity to the plain prompt: results/fidelity)
+        spans = documents_to_spans(await chain.retriever.ainvoke(question), chain.format_document)
+        built = orc.builder.build(question=question, system=chain.system, spans=spans,
+                                  mode=chain.mode, max_tokens=24)
+        assert built.num_prompt_tokens == answer.prompt_tokens
+        err = greedy_error(built.prompt_token_ids, [(a, b) for a, b, _ in isolated_runs(built)],
+                           answer.token_ids, PicReference(default_model_dir()))
+        assert err < 2 * REFERENCE_TOL, f"{answer.text!r}: off the reference by {err:.2e}"
         # streamed over HTTP (SSE from /v1/completions): the same answer, token by token
         as_text = chain.model_copy(update={"output": "text"})
         chunks = [c async for c in as_text.astream("What is the height of K2?")]

@@ -32,7 +32,7 @@ from minipic.prompt_builder import (
     Span,
     SpanTokenError,
 )
-from minipic.prompt_builder.modes import make_layout
+from minipic.prompt_builder.modes import make_layout, parse_mode
 from minipic.span_contract.env import ENABLE_ENV, SPAN_CONFIG_ENV
 from minipic.span_contract.span_config import SpanConfig
 from minipic.span_contract.special_tokens import FAMILY_TOKENS, detect_family
@@ -359,14 +359,14 @@ def test_boundary_recompute_layout(builders):
 
 
 def test_selective_layout_recomputes_a_share_of_each_span_from_its_start(builders, seed):
-    """``selective@B``: round(B * m) of a span's m blocks (half up) recomputed, PDEP-led, from
-    its start; @0 is block_attention token for token; a span's prefill depends only on the
-    span and B (never on the question); bad budgets name the accepted form."""
+    """``selective@B``: round(B * n) of a span's n own tokens (half up; its SSEP and sink not
+    counted) recomputed, PDEP-led, from its start, the rest its body; @0 is block_attention
+    token for token; a span's prefill depends only on the span and B (never on the question);
+    bad budgets name the accepted form."""
     import math
 
-    from minipic.prompt_builder import parse_mode
-
     builder = pick_builder(builders, 16, True)
+    assert builder.span_config.sink_ids, "the check needs a builder whose spans carry a sink"
     rng = random.Random(seed)
     words = "amber basalt cedar delta ember fjord granite harbor iris juniper kelp".split()
     docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(3, 120)))
@@ -379,19 +379,18 @@ def test_selective_layout_recomputes_a_share_of_each_span_from_its_start(builder
     assert built.mode is Mode.SELECTIVE and built.mode_spec == f"selective@{share:g}"
     again = builder.build(spans=docs, question="Which?", mode=f"selective@{share}")
     assert again.prompt_token_ids == built.prompt_token_ids  # the same choice every time
-    whole_blocks = {i.span_id: i.block_count for i in block.spans[1:]}
     for info in built.spans[1:]:
         segs = [s for s in built.segments if s.kind == "span" and s.span_id == info.span_id]
-        m = whole_blocks[info.span_id]
-        want = math.floor(share * m + 0.5)
-        heads = [s for s in segs if s.part == "head"]
+        want = math.floor(share * info.token_count + 0.5)
         if want == 0:
             assert [s.part for s in segs] == ["whole"] and segs[0].marker == "ssep"
             continue
-        head_tokens = heads[0].length - 1  # after its PDEP
-        content = sum(s.length - (s.marker is not None) for s in segs)
-        assert head_tokens == min(content, want * 16 - 1), (share, m, head_tokens)
-        assert heads[0].marker == "pdep" and heads[0].reuse == "none"
+        head = [s for s in segs if s.part == "head"][0]
+        assert head.marker == "pdep" and head.reuse == "none"
+        own = head.length - head.lead  # after its PDEP (its pads are a segment of their own)
+        assert own == min(want, info.token_count), (share, info.token_count, own)
+        body = [s for s in segs if s.part == "body"]
+        assert bool(body) == (want < info.token_count)
     other = builder.build(spans=docs, question="Something else entirely?",
                           mode=f"selective@{share}")
     assert other.span_prefills == built.span_prefills  # question-independent prefills

@@ -264,3 +264,39 @@ def test_tiktoken_offline_repairs_a_damaged_cache_file(monkeypatch, tmp_path):
     tiktoken_offline.ensure_offline_cache(("cl100k_base",))
     data = (folder / entry.cache_name).read_bytes()
     assert hashlib.sha256(data).hexdigest() == entry.sha256
+
+
+@pytest.fixture(scope="module")
+def sink_builder(tokenizer):
+    builder = PromptBuilder(tokenizer, default_span_config(tokenizer, 16), chat_template=False)
+    assert builder.span_config.sink_ids, "the check needs spans that carry a sink"
+    return builder
+
+
+@SETTINGS
+@given(
+    words=st.lists(st.integers(1, 80), min_size=1, max_size=5),
+    budget=st.integers(0, 700),
+    mode=st.sampled_from(["block_attention", "boundary_recompute", "selective@0.25",
+                          "selective@0.5"]),
+    policy=st.sampled_from([BudgetPolicy.DROP, BudgetPolicy.TRUNCATE, BudgetPolicy.SKIP]),
+)
+def test_fit_texts_charges_what_build_lays_out(sink_builder, words, budget, mode, policy):
+    """With ``builder=``, a text costs what ``build`` lays out for it in ``mode`` (its SSEP, the
+    model's sink, its tokens, a head's PDEP, the pads): the chosen texts, built, take exactly the
+    tokens the report charged (no more than the budget where one was cut), so nothing it
+    accepts fails ``build`` later. With ``block_size`` alone the sink was not charged."""
+    texts = [doc(n, i) for i, n in enumerate(words)]
+    chosen = fit_texts(texts, sink_builder.counter, budget, builder=sink_builder, mode=mode,
+                       policy=policy)
+    assert chosen.report.used_tokens <= budget
+    if not chosen.texts:
+        return
+    built = sink_builder.build(spans=chosen.texts, question="Which?", mode=mode)
+    laid_out = sum(info.end - info.start for info in built.spans if info.kind == "span")
+    if chosen.report.truncated:  # a cut text is re-tokenized by build: never longer
+        assert laid_out <= budget
+    else:
+        assert laid_out == chosen.report.used_tokens
+    with pytest.raises(InvalidInputError, match="disagrees"):
+        fit_texts(texts, sink_builder.counter, budget, builder=sink_builder, block_size=8)

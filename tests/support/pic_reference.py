@@ -27,7 +27,7 @@ from minipic.tune.layout import additive_mask, block_attention_allowed, layout_v
 from minipic.tune.layout import isolated_runs as span_part_runs
 
 __all__ = ["PicPrompt", "PicReference", "REFERENCE_TOL", "block_attention_allowed",
-           "build_pic_prompt", "max_logprob_error", "pad_span", "prompt_error",
+           "build_pic_prompt", "greedy_error", "max_logprob_error", "pad_span", "prompt_error",
            "random_ordinary_ids", "reference_error", "span_part_runs"]
 
 
@@ -184,3 +184,20 @@ def reference_error(out: object, token_ids: Sequence[int], spans: Sequence[tuple
 def prompt_error(out: object, prompt: PicPrompt, ref: PicReference) -> float:
     """``reference_error`` for a ``PicPrompt``."""
     return reference_error(out, prompt.token_ids, prompt.spans, ref)
+
+
+def greedy_error(prompt_ids: Sequence[int], span_runs: Sequence[tuple[int, int]],
+                 output_ids: Sequence[int], ref: PicReference) -> float:
+    """How far an answer decoded greedily by the engine is from the reference's own choices,
+    where only the answer's tokens are known (an SDK ``Answer``, no logprobs): the largest, over
+    the answer's steps, of the reference's best logprob minus its logprob of the engine's
+    token, teacher-forced on the engine's tokens. 0 where the engine took the reference's
+    argmax at every step; an engine within ``REFERENCE_TOL`` of the reference per logprob can
+    only pick another token among near-ties, within ``2 * REFERENCE_TOL``."""
+    full = list(prompt_ids) + list(output_ids)
+    lp = ref.logprobs(full, span_runs, True, prompt_len=len(prompt_ids))
+    worst = 0.0
+    for step, token in enumerate(output_ids):
+        row = lp[len(prompt_ids) - 1 + step]
+        worst = max(worst, float(row.max() - row[token]))
+    return worst
