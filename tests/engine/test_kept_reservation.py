@@ -9,6 +9,7 @@ blocks, freed on abort) is ``tests/engine/test_first_visit.py``.
 
 from __future__ import annotations
 
+import inspect
 import random
 from typing import Any
 
@@ -36,8 +37,10 @@ class Manager:
                                kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
         self.kvm = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK,
                                   hash_block_size=BLOCK, enable_caching=False)
-        self._allocate = kept_reservation._wrap_allocate_slots(KVCacheManager.allocate_slots)
-        self._free = kept_reservation._wrap_free(KVCacheManager.free)
+        # vLLM's own methods, whether or not an engine of this process installed the plugin
+        self._allocate = kept_reservation._wrap_allocate_slots(
+            inspect.unwrap(KVCacheManager.allocate_slots))
+        self._free = kept_reservation._wrap_free(inspect.unwrap(KVCacheManager.free))
 
     def allocate(self, request: Any, tokens: int) -> Any:
         return self._allocate(self.kvm, request, tokens)
