@@ -5,7 +5,8 @@
     python benchmarks/layout_levers.py --n 2 --threads 1 --check    # smoke
 
 Per item (``results/fidelity/items.jsonl`` by default, the items of ``results/fidelity/``; fp32
-SmolLM2-135M; the SDK's real layouts, blocks of 32, max_model_len 2048):
+SmolLM2-135M; the SDK's real layouts without their sink, which the sink variants place
+themselves, blocks of 32, max_model_len 2048):
 
 * **reference p**: full attention on the plain prompt (the ``prefix`` layout: no markers, no
   pads), its greedy answer ``A`` (``--max-tokens``, EOS included when produced) and the
@@ -39,6 +40,12 @@ SmolLM2-135M; the SDK's real layouts, blocks of 32, max_model_len 2048):
      prefill ``[opening][span]`` whose opening blocks are one cached prefix shared by every span
      prefill: **0 extra KV per span in the final prompt** (the span's cached KV is as large as
      today's), ``S`` tokens of (prefix-cached) prefill context per span prefill.
+  4d. ``invisible+logical+sink_adjacent+gap<G>`` (``--gaps``, issue 55): as 4b with ``G``
+     virtual positions between the copy and the span's first real token (the copy at the ``S``
+     positions ending ``G`` before it). Still position-independent: RoPE is relative, and ``G``
+     is one constant of the layout. ``--gaps mean`` is the run's mean distance from the opening's
+     end to a span's first real token in the plain prompt (the distance the ``sink`` variant
+     gives, averaged over every span of the run's items).
   4c. ``invisible+logical+bos_adjacent``: as 4b with the opening's first token only
      (``<|im_start|>``, the BOS), just before each span: the smallest sink.
   5. ``<4 or 4b>+temp<T>``: 4 (and 4b, ``--temp-bases``), plus APE's attention temperature on
@@ -260,12 +267,13 @@ def make_pass(it: Item, positions: Sequence[int], allowed: torch.Tensor, *,
                 allowed=allowed[t][:, t], src=src[idx])
 
 
-def adjacent_sink(it: Item, allowed: torch.Tensor, drop_layout: bool, size: int | None = None
-                  ) -> Pass:
+def adjacent_sink(it: Item, allowed: torch.Tensor, drop_layout: bool, size: int | None = None,
+                  gap: int = 0) -> Pass:
     """``allowed`` (invisible+logical) plus a private copy of the opening (its first ``size``
-    tokens; default all) per span, after the answer: copy k sits at the positions just before
-    span k's first real token, attends causally within itself, and only span k's real tokens
-    see it."""
+    tokens; default all) per span, after the answer: copy k sits at the positions ending
+    ``gap`` before span k's first real token, attends causally within itself, and only span
+    k's real tokens see it. Its positions may be negative: RoPE rotates by any integer, and
+    only the distances count."""
     sink = it.sink[:size]
     s = len(sink)
     sink_ids = [it.ids[i] for i in sink]
@@ -277,8 +285,7 @@ def adjacent_sink(it: Item, allowed: torch.Tensor, drop_layout: bool, size: int 
     block = torch.ones(s, s, dtype=torch.bool).tril()
     for a, b in it.runs:
         members = np.flatnonzero(it.real[a:b]) + a
-        start = int(it.logical[members[0]])
-        assert start - s >= 0
+        start = int(it.logical[members[0]]) - gap
         base = it.total + len(extra_ids)
         extra_ids += sink_ids
         extra_pos += range(start - s, start)
@@ -338,12 +345,22 @@ def temp_name(base: str, temp: float, scale: float) -> str:
     return f"{base}+temp{temp:g}" + ("" if scale == 1 else f"+scale{scale:g}")
 
 
+LEVERS = (TODAY, INV, LOG, SINK, ADJ, BOS, f"{ALL}@{TODAY}", f"{ALL}@{INV}", f"{ALL}@{LOG}")
+
+
+def gap_name(gap: int) -> str:
+    return f"{ADJ}+gap{gap}"
+
+
 def variant_names(args: argparse.Namespace) -> list[str]:
-    """Every reported variant, in table order."""
-    names = [TODAY, INV, LOG, SINK, ADJ, BOS]
+    """Every reported variant, in table order: the chosen ``--levers`` (``today`` always), the
+    gaps after ``sink_adjacent``, the temperatures, everything recomputed last."""
+    chosen = [name for name in LEVERS if name in args.levers]
+    names = [name for name in chosen if not name.startswith(ALL)]
+    names += [gap_name(g) for g in args.gaps]
     names += [temp_name(b, t, s) for b in args.temp_bases for t in args.temps
               for s in args.scales]
-    return names + [f"{ALL}@{TODAY}", f"{ALL}@{INV}", f"{ALL}@{LOG}"]
+    return names + [name for name in chosen if name.startswith(ALL)]
 
 
 def parent_of(name: str) -> str | None:
@@ -375,18 +392,21 @@ def evaluate_item(model: Any, builder: Any, item: Any, args: argparse.Namespace,
     block = block_attention_allowed(n, it.runs)
     causal = ss.causal(n)
     inv_block = invisible(block, it)
-    passes = {
-        TODAY: make_pass(it, physical, block, drop_layout=False),
-        INV: make_pass(it, physical, inv_block, drop_layout=drop),
-        LOG: make_pass(it, logical, inv_block, drop_layout=drop),
-        SINK: make_pass(it, logical, with_sink(inv_block, it), drop_layout=drop),
-        ADJ: adjacent_sink(it, inv_block, drop),
-        BOS: adjacent_sink(it, inv_block, drop, size=1),
-        f"{ALL}@{TODAY}": make_pass(it, physical, causal, drop_layout=False),
-        f"{ALL}@{INV}": make_pass(it, physical, invisible(causal, it), drop_layout=drop),
+    build = {
+        TODAY: lambda: make_pass(it, physical, block, drop_layout=False),
+        INV: lambda: make_pass(it, physical, inv_block, drop_layout=drop),
+        LOG: lambda: make_pass(it, logical, inv_block, drop_layout=drop),
+        SINK: lambda: make_pass(it, logical, with_sink(inv_block, it), drop_layout=drop),
+        ADJ: lambda: adjacent_sink(it, inv_block, drop),
+        BOS: lambda: adjacent_sink(it, inv_block, drop, size=1),
+        f"{ALL}@{TODAY}": lambda: make_pass(it, physical, causal, drop_layout=False),
+        f"{ALL}@{INV}": lambda: make_pass(it, physical, invisible(causal, it), drop_layout=drop),
         # kept whole: with the layout tokens in the pass, this is the rule-1 invariant
-        f"{ALL}@{LOG}": make_pass(it, logical, invisible(causal, it), drop_layout=False),
+        f"{ALL}@{LOG}": lambda: make_pass(it, logical, invisible(causal, it), drop_layout=False),
     }
+    passes = {name: build[name]() for name in LEVERS if name in args.levers}
+    for gap in args.gaps:
+        passes[gap_name(gap)] = adjacent_sink(it, inv_block, drop, gap=gap)
     q: dict[str, torch.Tensor] = {}
     kv: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     layers = model.config.num_hidden_layers
@@ -488,7 +508,7 @@ def summarize(records: list[dict[str, Any]], names: Sequence[str], resamples: in
                  "greedy_same": float(series(name, "greedy_same").mean()),
                  "kl_minus_today": ci(kl - series(TODAY, "kl")),
                  "top1_minus_today": ci(series(name, "top1") - series(TODAY, "top1"))}
-        if (parent := parent_of(name)) is not None:
+        if (parent := parent_of(name)) in names:
             entry["parent"] = parent
             entry["kl_minus_parent"] = ci(kl - series(parent, "kl"))
         out[name] = entry
@@ -515,9 +535,13 @@ def table(report: dict[str, Any]) -> str:
                   f"{meta['wall_s'] / 60:.1f} min in all; prompt {meta['mean_prefix_tokens']:.1f} "
                   f"tokens plain, {meta['mean_layout_tokens']:.1f} in the block_attention layout "
                   f"({meta['mean_layout_only_tokens']:.1f} SSEP/PDEP/PAD); sink "
-                  f"{meta['sink_tokens']} tokens; all_recomputed@{LOG} vs the plain prompt: "
-                  f"largest per-token KL over every item "
-                  f"{meta['all_recomputed_logical_kl_max']:.2g}"]
+                  f"{meta['sink_tokens']} tokens"
+                  + ("" if meta["all_recomputed_logical_kl_max"] is None else
+                     f"; all_recomputed@{LOG} vs the plain prompt: largest per-token KL over "
+                     f"every item {meta['all_recomputed_logical_kl_max']:.2g}")
+                  + ("" if not meta.get("gaps") else
+                     f"; gaps {meta['gaps']} (the mean span distance: "
+                     f"{meta['mean_span_distance'] or 0:.1f} tokens)")]
     lines += ss.checks_line(meta, lambda c: (
         f"all_recomputed@{LOG} vs the plain prompt: KL {c['all_recomputed_logical_kl_max']:.2g}, "
         f"|Δ logprob| {c['all_recomputed_logical_max_abs_logprob_diff']:.2g}; today vs "
@@ -593,6 +617,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="the variants the temperatures apply to (comma-separated; default "
                          "both sink forms). Each costs a pass of the question and answer rows "
                          "only, over the base pass's cached K/V")
+    ap.add_argument("--gaps", default="",
+                    help="virtual gaps G between a span's sink copy and its first real token: "
+                         "comma-separated integers >= 0, and/or 'mean' (the run's mean distance "
+                         "from the opening to a span in the plain prompt); each adds the "
+                         f"variant {ADJ}+gap<G> (default: none)")
+    ap.add_argument("--levers", default=",".join(LEVERS),
+                    help="the base variants to compute, comma-separated (default: all; "
+                         f"`{TODAY}` is always computed, the table's reference). --check needs "
+                         "all of them")
     ap.add_argument("--keep-layout-tokens", action="store_true",
                     help="keep the invisible layout tokens in the rule-1 passes (default: drop "
                          "them, which is exact and ~18%% faster; --check asserts it)")
@@ -610,16 +643,50 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.temp_bases = [b for b in args.temp_bases.split(",") if b]
     if bad := [b for b in args.temp_bases if b not in (SINK, ADJ)]:
         ap.error(f"--temp-bases: {bad} not in {SINK}, {ADJ}")
+    args.levers = {TODAY, *(x for x in args.levers.split(",") if x)}
+    if bad := sorted(args.levers - set(LEVERS)):
+        ap.error(f"--levers: {bad} not among {', '.join(LEVERS)}")
+    if bad := [b for b in args.temp_bases if b not in args.levers]:
+        ap.error(f"--temp-bases {bad} need those --levers")
+    if args.check and args.levers != set(LEVERS):
+        ap.error("--check needs every lever (leave --levers out)")
+    try:
+        args.gaps = [x if x == "mean" else int(x) for x in args.gaps.split(",") if x]
+    except ValueError:
+        ap.error("--gaps: comma-separated integers >= 0, or 'mean'")
+    if any(g != "mean" and g < 0 for g in args.gaps):
+        ap.error("--gaps: integers >= 0")
     return args
+
+
+def mean_span_distance(builder: Any, items: Sequence[Any]) -> float:
+    """The mean, over every span of ``items``, of the distance in the plain prompt from the
+    opening's end to the span's first token (0 for a first span): how far full attention puts
+    each span from its sink."""
+    distances = []
+    for item in items:
+        plain = builder.build(mode="prefix", question=item.question, system=item.system,
+                              spans=list(item.documents))
+        starts = [seg.start for seg in plain.segments if seg.kind == "span"]
+        distances += [start - starts[0] for start in starts]
+    return float(np.mean(distances))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started, model_dir, builder, model = ss.setup(args, ATTN, lever_attention)
+    # the layouts without the SDK's sink: the sink variants place their own copies of it
+    builder = builder.without_sink()
     from support.pic_reference import PicReference
 
     # its own eager model: the --check cross-reference
     reference = PicReference(model_dir) if args.check else None
+    mean_distance = None
+    if "mean" in args.gaps:
+        mean_distance = mean_span_distance(builder, ss.load_items(args)[0])
+        print(f"--gaps mean: {mean_distance:.1f} tokens, taken as {round(mean_distance)}")
+        args.gaps = list(dict.fromkeys(round(mean_distance) if g == "mean" else g
+                                       for g in args.gaps))
     records, errors, requested = ss.run_items(
         args, lambda _, item: evaluate_item(model, builder, item, args, reference), started,
         args.time_limit)
@@ -630,11 +697,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python benchmarks/layout_levers.py " + " ".join(sys.argv[1:]),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {k: (str(v) if isinstance(v, Path) else sorted(v) if isinstance(v, set) else v)
+                 for k, v in vars(args).items()},
         "n": len(records), "data": args.data, "model": model_dir,
         "model_name": Path(model_dir).name, "dtype": "float32", "block_size": 32,
         "max_tokens": args.max_tokens, "temps": args.temps, "scales": args.scales,
         "temp_bases": args.temp_bases, "items_requested": requested,
+        "gaps": args.gaps, "mean_span_distance": mean_distance,
         "sink": "the plain prompt's tokens before the first document (chat template head + "
                 "system prompt + user-turn header); its first token is the tokenizer's BOS",
         "sink_tokens": sorted({r["sink_tokens"] for r in records}),
@@ -644,8 +713,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mean_layout_only_tokens": float(np.mean([r["layout_only_tokens"] for r in records])),
         **ss.run_meta(records, wall, processor=True),
         "variants": names,
-        "all_recomputed_logical_kl_max": max(r["variants"][f"{ALL}@{LOG}"]["kl_max"]
-                                             for r in records),
+        "all_recomputed_logical_kl_max": (max(r["variants"][f"{ALL}@{LOG}"]["kl_max"]
+                                              for r in records)
+                                          if f"{ALL}@{LOG}" in names else None),
     }
     if args.check:
         meta["check"] = {k: max(r["check"][k] for r in records) for k in records[0]["check"]}

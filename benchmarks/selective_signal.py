@@ -607,6 +607,17 @@ def setup(args: argparse.Namespace, attn: str,
     return started, model_dir, builder, model
 
 
+def load_items(args: argparse.Namespace) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The first ``--n`` items of ``--data`` (a .jsonl, or a built-in set as minipic eval with
+    ``--seed``, ``--passages``, ``--max-words``) and the file's bad lines."""
+    from minipic.eval.datasets import builtin_items, load_jsonl
+
+    if args.data.endswith(".jsonl"):
+        loaded = load_jsonl(args.data)
+        return loaded.items[: args.n], list(loaded.errors)
+    return builtin_items(args.data, args.n, args.seed, args.passages, args.max_words), []
+
+
 def run_items(args: argparse.Namespace, evaluate: Callable[[int, Any], dict[str, Any]],
               started: float, time_limit: float | None = None
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
@@ -617,14 +628,7 @@ def run_items(args: argparse.Namespace, evaluate: Callable[[int, Any], dict[str,
     were; says so when no item ran."""
     from tqdm import tqdm
 
-    from minipic.eval.datasets import builtin_items, load_jsonl
-
-    errors: list[dict[str, Any]] = []
-    if args.data.endswith(".jsonl"):
-        loaded = load_jsonl(args.data)
-        items, errors = loaded.items[: args.n], list(loaded.errors)
-    else:
-        items = builtin_items(args.data, args.n, args.seed, args.passages, args.max_words)
+    items, errors = load_items(args)
     records = []
     for index, item in enumerate(tqdm(items, desc="items", unit="item")):
         if time_limit and time.perf_counter() - started > time_limit * 60:
