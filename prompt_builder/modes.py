@@ -232,29 +232,27 @@ class BoundaryRecomputeLayout(Layout):
 
     With ``k = recompute_tokens`` (default ``block_size - 1``: the opening fills one block)::
 
-        |sys _|P d1[:k] _|S d1[k:] ... _|P d2[:k] _|S d2[k:] ... _|P q ...|
-               ^ head: recomputed  ^ body: reused
+        |sys _|P d1[:k] _|S d1 ... _|P d2[:k] _|S d2 ... _|P q ...|
+               ^ head: recomputed ^ the whole span: reused
 
     Why this layout: the head must be computed in the final prompt, so its hash must depend on
-    what precedes it — a PDEP-led block. The body must hash exactly as in a prefill that ran
-    without this prompt; its chain cannot continue from a prompt-dependent head, so it restarts
-    with SSEP. Span prefill i is therefore ``[S d_i[k:] _...]``, the body alone: its KV then
-    depends on exactly what its hashes cover (a prefill that also contained the head would let two
-    documents with the same body but different openings share KV they must not share). In the
-    body's isolated computation its sink (the model's opening after the SSEP), not the
-    document's opening, is what it sinks into; the document's opening itself is computed in
-    context, attending to everything before it. ``k < block_size - 1`` recomputes only the
-    first ``k`` tokens (EPIC), padding the rest of the head block; ``k >= block_size``
-    recomputes several blocks. A span with at most ``k`` tokens is all head: recomputed, no
-    prefill.
+    what precedes it — a PDEP-led block. The span after it is the whole document, laid out as
+    ``block_attention`` lays it out: it hashes as its prefill ``[S d_i _...]`` (the same prefill,
+    and the same cached KV, as every other mode's), and its later tokens keep the KV they had
+    there, computed over their own opening. The engine hides the span's copy of its head
+    (docs/design.md §2): the head computed in context holds those positions and is what every
+    other query sees, so the question reads each opening once, in context, and each body as
+    cached. Why not a body-only span ``[S d_i[k:]]``, as before: its tokens then never saw
+    their opening, and measured in transformers that costs more than the recompute buys
+    (results/span_selection). ``k < block_size - 1`` recomputes only the first ``k`` tokens
+    (EPIC), padding the rest of the head block; ``k >= block_size`` recomputes several blocks.
+    A span with at most ``k`` tokens is all head: recomputed, no prefill.
 
-    Reused: the system span and every body (they hash like their prefills, and the engine's
-    lookup continues past the PDEP-led heads, computing only the holes): ``expected_cached_tokens``
-    = system + bodies. Recomputed, in context: each head (attending to everything before it,
-    bodies included) and the question. A prefix-only lookup would stop at the first head
-    (``leading_cached_tokens`` = the system span). What it means for attention: each body's KV is
-    the body computed alone (SSEP-led, isolated); heads and question see the whole prompt — the
-    two-pass reference of EPIC/MEPIC.
+    Reused: the system span and every whole span (they hash like their prefills, and the
+    engine's lookup continues past the PDEP-led heads, computing only the holes):
+    ``expected_cached_tokens`` = system + spans. Recomputed, in context: each head (attending to
+    everything shown before it) and the question. A prefix-only lookup would stop at the first
+    head (``leading_cached_tokens`` = the system span).
     """
 
     mode = Mode.BOUNDARY_RECOMPUTE
@@ -280,9 +278,8 @@ class BoundaryRecomputeLayout(Layout):
         head = self.head_tokens(n)
         if head == 0:
             return padded(n + self.span_lead, self.block_size)
-        body = n - head
         cost = padded(head + 1, self.block_size)
-        return cost + padded(body + self.span_lead, self.block_size) if body else cost
+        return cost + padded(n + self.span_lead, self.block_size) if head < n else cost
 
     def question_cost(self, n: int) -> int:
         return n + 1
@@ -296,13 +293,12 @@ class BoundaryRecomputeLayout(Layout):
                         span_id=span.span_id, span_index=span.index, part="whole")
                 out.pad_to_block(reuse="span", span_id=span.span_id, span_index=span.index)
                 continue
-            head, body = span.token_ids[:k], span.token_ids[k:]
-            out.add("span", head, reuse="none", marker="pdep", span_id=span.span_id,
-                    span_index=span.index, part="head")
+            out.add("span", span.token_ids[:k], reuse="none", marker="pdep",
+                    span_id=span.span_id, span_index=span.index, part="head")
             out.pad_to_block(reuse="none", span_id=span.span_id, span_index=span.index)
-            if body:
-                out.add("span", body, reuse="span", marker="ssep", span_id=span.span_id,
-                        span_index=span.index, part="body")
+            if k < len(span.token_ids):  # the whole span, its head's copy hidden
+                out.add("span", span.token_ids, reuse="span", marker="ssep",
+                        span_id=span.span_id, span_index=span.index, part="whole")
                 out.pad_to_block(reuse="span", span_id=span.span_id, span_index=span.index)
         self._write_question(out, parts)
 
@@ -312,10 +308,10 @@ class SelectiveLayout(BoundaryRecomputeLayout):
     start (``selective@B``).
 
     A span of ``n`` tokens gets a head of ``k = round(B * n)`` of them (half up), recomputed in
-    context, PDEP-led, and the rest its body, reused (the boundary_recompute layout, with the
+    context, PDEP-led, before the whole span, reused (the boundary_recompute layout, with the
     head sized per span)::
 
-        |sys _|P d1[:k1] _|S d1[k1:] ... _|S d2 ... _|P q ...|     (span 2 got k2 = 0)
+        |sys _|P d1[:k1] _|S d1 ... _|S d2 ... _|P q ...|     (span 2 got k2 = 0)
 
     ``selective@0`` is block_attention's layout, token for token; ``selective@1`` recomputes
     every span in context (no span prefill).

@@ -39,6 +39,7 @@ import torch
 from minipic.engine_ext.attention.span_segments import (
     block_segments,
     query_segments,
+    span_hidden,
     span_sinks,
 )
 from minipic.engine_ext.holes import worker_positions
@@ -168,7 +169,7 @@ class _PromptRules:
 
     prompt: np.ndarray  # the prompt's token ids (a copy)
     layout: np.ndarray  # [num_prompt] bool: rule 1's layout tokens
-    sink: np.ndarray  # [num_prompt] bool
+    sink: np.ndarray  # [num_prompt] bool: hidden runs (span sinks and head copies)
     rope_at: np.ndarray  # [num_prompt] int64: each token's position (layout: its would-be one)
     real: int  # real tokens in the prompt
     shift: int  # the positions' constant (the sink's length when the prompt holds a sink)
@@ -178,15 +179,18 @@ class _PromptRules:
     @classmethod
     def derive(cls, prompt: np.ndarray, config: SpanConfig, block_size: int) -> _PromptRules:
         layout = prompt_layout(prompt, prompt.shape[0], config)
-        sink_index = span_sinks(prompt, block_size, config.ssep_id, config.sink_ids)
-        sink = sink_index >= 0
-        shift = len(config.sink_ids) if sink.any() else 0
+        index, length = span_hidden(prompt, block_size, config.ssep_id, config.pdep_id,
+                                    config.pad_id, config.sink_ids)
+        sink = index >= 0
+        holds_sink = (span_sinks(prompt, block_size, config.ssep_id, config.sink_ids) >= 0).any()
+        shift = len(config.sink_ids) if holds_sink else 0
         real = (~layout & ~sink).astype(np.int64)
         before = np.cumsum(real) - real  # real tokens before each token
         starts, isolated = block_segments(prompt[::block_size], config.ssep_id, config.pdep_id,
                                           block_size, prompt.shape[0])
+        # a hidden run ends just before its span's first shown token (at before + shift)
         return cls(prompt=prompt.copy(), layout=layout, sink=sink,
-                   rope_at=np.where(sink, before + sink_index, before + shift),
+                   rope_at=np.where(sink, before + shift - length + index, before + shift),
                    real=int(real.sum()), shift=shift, block_start=starts,
                    block_isolated=isolated)
 
@@ -215,7 +219,9 @@ def _row_view(rules: _PromptRules, seq_len: int, positions: np.ndarray,
     Positions (rule 1 and the sink): a real token sits at the number of real tokens before it,
     plus one constant per request: the sink's length when the request holds a sink, so that a
     span's sink, placed on the positions just before the span's first real token (where the
-    span would follow the opening), never goes below 0.
+    span would follow the opening), never goes below 0. A span's hidden run (its sink, then the
+    copy of a head computed in context before it: ``span_segments.span_hidden``) ends just
+    before the span's first shown token.
     """
     num_prompt = rules.prompt.shape[0]
     head = min(num_prompt, seq_len)

@@ -92,6 +92,57 @@ def _segments(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int, block_
     return led_by_ssep, last_marker
 
 
+def span_hidden(tokens: np.ndarray, block_size: int, ssep_id: int, pdep_id: int, pad_id: int,
+                sink_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per token: ``(index, length)`` of its place in a span's hidden run (-1, 0: none).
+
+    A span's hidden run (docs/design.md §2) is what follows its SSEP and only the span itself
+    sees: its sink (:func:`span_sinks`), then its **head's copy**. A span whose text, after the
+    sink, begins with exactly the real tokens of the PDEP-led segment right before its SSEP (a
+    head the prompt computes in context, ``selective@B``) hides those tokens: they are the
+    cached span's own opening, which its later tokens saw when the span was computed alone, and
+    which no other query must see twice; the in-context head before it holds their positions.
+    The hidden run sits on the positions just before the span's first shown token. A prompt
+    without heads hides its sinks only, as before.
+
+    ``tokens`` must be the whole prompt, and only it (as :func:`span_sinks`).
+    """
+    index = np.full(tokens.shape[0], -1, dtype=np.int64)
+    length = np.zeros(tokens.shape[0], dtype=np.int64)
+    firsts = tokens[::block_size]
+    sink_at = span_sinks(tokens, block_size, ssep_id, sink_ids)
+    _, last_marker = _segments(firsts, ssep_id, pdep_id, block_size, tokens.shape[0])
+    for block in np.flatnonzero(firsts == ssep_id):
+        start = int(block) * block_size
+        lead = len(sink_ids) if start + 1 < tokens.shape[0] and sink_at[start + 1] == 0 else 0
+        head = _head_before(tokens, block, last_marker, block_size, pdep_id, pad_id, ssep_id)
+        after = start + 1 + lead
+        if head.size and not np.array_equal(tokens[after:after + head.size], head):
+            head = head[:0]
+        run = lead + head.size
+        index[start + 1:start + 1 + run] = np.arange(run)
+        length[start + 1:start + 1 + run] = run
+    return index, length
+
+
+def _head_before(tokens: np.ndarray, block: int, last_marker: np.ndarray, block_size: int,
+                 pdep_id: int, pad_id: int, ssep_id: int) -> np.ndarray:
+    """The real tokens of the PDEP-led segment that ends at SSEP block ``block``: its PDEP, then
+    real tokens, then PADs only (empty when the segment before is no such head)."""
+    if block == 0 or last_marker[block - 1] < 0:
+        return tokens[:0]
+    first = int(last_marker[block - 1]) * block_size
+    segment = tokens[first:int(block) * block_size]
+    if segment[0] != pdep_id:
+        return tokens[:0]
+    body = segment[1:]
+    real = int(np.flatnonzero(body != pad_id)[-1]) + 1 if (body != pad_id).any() else 0
+    head = body[:real]
+    if np.isin(head, (pdep_id, pad_id, ssep_id)).any():
+        return tokens[:0]
+    return head
+
+
 def span_sinks(tokens: np.ndarray, block_size: int, ssep_id: int,
                sink_ids: tuple[int, ...]) -> np.ndarray:
     """Per token: its index within a span's sink, or -1.

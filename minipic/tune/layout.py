@@ -14,6 +14,12 @@ docs/design.md §2 defines what a span layout means, and this module is its exec
   span's first real token (where the span would follow the opening); it is no token of the
   plain prompt, so the positions of real tokens do not count it. The constant shift is the
   sink's length in a prompt that holds one (so no sink position is negative), else 0.
+* **a head's copy** (``selective@B``, ``boundary_recompute``): a span whose head is computed in
+  context keeps its whole text in its cached span, so its later tokens saw their opening as in
+  its prefill. The head (a PDEP-led run before the span) holds the opening's positions and is
+  what every other query sees; the span's copy of it is hidden like its sink (its own tokens
+  only), the sink and the copy together on the positions just before the first token the span
+  shows.
 
 That is what the engine computes for a warm final prompt, so it is what the student is trained
 under and what the tests check the engine against (``tests/support/pic_reference.py`` imports
@@ -45,12 +51,20 @@ def isolated_runs(built: Any) -> list[tuple[int, int, str]]:
 def block_attention_allowed(length: int, spans: Sequence[tuple[int, ...]]) -> torch.Tensor:
     """``allowed[q, k]``: causal, except that a span's tokens see only their own span.
 
-    ``spans`` holds ``(start, end, ...)``: anything after the first two fields is ignored, so
-    ``isolated_runs`` output goes in as is."""
+    ``spans`` holds ``(start, end, ...)``, so ``isolated_runs`` output goes in as is: a run
+    whose third field is ``"head"`` is computed in context, never isolated."""
     allowed = torch.ones(length, length, dtype=torch.bool).tril()
-    for start, end, *_ in spans:
+    for start, end, *_ in _isolated(spans):
         allowed[start:end, :start] = False
     return allowed
+
+
+def _isolated(spans: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    return [run for run in spans if not _is_head(run)]
+
+
+def _is_head(run: tuple[Any, ...]) -> bool:
+    return len(run) > 2 and run[2] == "head"
 
 
 def layout_flags(token_ids: Sequence[int], layout_ids: Collection[int],
@@ -90,6 +104,33 @@ def sink_index(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
     return out
 
 
+def hidden_runs(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
+                layout: torch.Tensor, in_sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[len]`` twice: each token's index within its span's hidden run (its sink, then
+    its head's copy; -1 outside any), and that run's length. A head's copy: the span right after
+    a ``"head"`` run starts, after its SSEP and sink, with exactly the head's real tokens."""
+    index = torch.where(in_sink >= 0, in_sink, -1)
+    length = torch.zeros(len(token_ids), dtype=torch.long)
+    starts = {run[0]: run for run in _isolated(spans)}
+    for start, end, *_ in starts.values():  # the sinks alone
+        size = int((in_sink[start:end] >= 0).sum())
+        length[start + 1:start + 1 + size] = size
+    for head in filter(_is_head, spans):
+        span = starts.get(head[1])
+        if span is None:
+            continue
+        copy = [t for t, lay in zip(token_ids[head[0]:head[1]], layout[head[0]:head[1]],
+                                    strict=True) if not lay]
+        lead = int((in_sink[span[0]:span[1]] >= 0).sum())
+        first = span[0] + 1 + lead
+        if not copy or list(token_ids[first:first + len(copy)]) != copy:
+            continue
+        run = lead + len(copy)
+        index[span[0] + 1:span[0] + 1 + run] = torch.arange(run)
+        length[span[0] + 1:span[0] + 1 + run] = run
+    return index, length
+
+
 def layout_view(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
                 layout_ids: Collection[int], sink_ids: Sequence[int] = (),
                 prompt_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,18 +148,20 @@ def layout_view(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
     if not layout_ids:
         return allowed, torch.arange(length)
     layout = layout_flags(token_ids, layout_ids, prompt_len)
-    in_sink = sink_index(token_ids, spans, sink_ids)
-    sink = in_sink >= 0
+    in_sink = sink_index(token_ids, _isolated(spans), sink_ids)
+    index, run = hidden_runs(token_ids, spans, layout, in_sink)
+    hidden = index >= 0
     in_span = torch.zeros(length, dtype=torch.bool)
-    for start, end, *_ in spans:
+    for start, end, *_ in _isolated(spans):
         in_span[start:end] = True
     allowed &= ~layout.unsqueeze(0)
-    allowed &= ~(sink.unsqueeze(0) & ~in_span.unsqueeze(1))  # a sink: its span's rows only
+    allowed &= ~(hidden.unsqueeze(0) & ~in_span.unsqueeze(1))  # hidden: its span's rows only
     allowed[layout] = False
     allowed |= torch.eye(length, dtype=torch.bool)
-    before = logical_positions(layout | sink)
-    shift = len(sink_ids) if bool(sink.any()) else 0
-    return allowed, torch.where(sink, before + in_sink, before + shift)
+    before = logical_positions(layout | hidden)
+    shift = len(sink_ids) if bool((in_sink >= 0).any()) else 0
+    # a hidden run ends just before its span's first shown token
+    return allowed, torch.where(hidden, before + shift - run + index, before + shift)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -399,7 +399,7 @@ def test_selective_heads_are_published_only_under_their_prompts_chain(seed: int)
     for n, built in enumerate(finals):
         request = _request(f"final{n}", built.prompt_token_ids)
         _admit(kvm, wrapped, request, budget=10_000)
-        # every body and whole span; the system prompt only where the prefills warmed it
+        # every whole span; the system prompt only where the prefills warmed it
         warm_system = 0 if n == 0 else built.spans[0].end
         assert request.found_tokens == built.expected_cached_tokens - warm_system, (n, seed)
         head_blocks = sorted({p // SMALL for s in built.segments if s.part == "head"

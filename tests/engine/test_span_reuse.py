@@ -10,11 +10,11 @@ against the transformers block-mask reference of docs/design.md §2
 * determinism: the same final prompt (a) after its span prefills, (b) sent cold with no prefill,
   (c) after the cache was reset between prefills and final, (d) in one batch with requests that
   hold the same spans at other offsets — identical greedy tokens, all equal to the reference;
-* boundary_recompute: bodies reused after their recomputed heads, output = the two-pass reference
-  (bodies alone, heads and question in context over them);
-* selective@B: the same two-pass reference whatever the cache holds (cold, warm, evicted, in a
+* boundary_recompute: whole spans reused after their recomputed heads, output = the reference
+  (each span alone, its copy of the head hidden; heads and question in context over them);
+* selective@B: the same reference whatever the cache holds (cold, warm, evicted, in a
   batch), and the recomputed heads stay private: a prompt with the same documents in another
-  order reuses their bodies, never another prompt's heads;
+  order reuses their spans, never another prompt's heads;
 * tenants: a salted request never reuses a span cached under another salt, at any position;
 * opt-in: a request that did not ask for span semantics gets stock hashing and attention even
   when its tokens contain SSEP/PDEP at block starts, and shares no block with span requests.
@@ -111,7 +111,7 @@ def test_same_output_whatever_the_cache_holds(engines, tiny_ref, seed) -> None:
         assert prompt_error(out, p, tiny_ref) < REFERENCE_TOL, f"seed={seed}"
 
 
-def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -> None:
+def test_boundary_recompute_reuses_whole_spans_after_heads(engines, tiny_ref, seed) -> None:
     from minipic.prompt_builder import PromptBuilder
 
     llm = engines.get("tiny_pic")
@@ -124,18 +124,19 @@ def test_boundary_recompute_reuses_bodies_after_heads(engines, tiny_ref, seed) -
     docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(40, 90))) for _ in range(3)]
     built = builder.build(system="Answer from the documents.", spans=docs,
                           question="Which word comes first?", mode="boundary_recompute")
-    bodies = [(a, b) for a, b, part in span_part_runs(built) if part == "body"]
-    assert len(bodies) == 3 and built.leading_cached_tokens < built.expected_cached_tokens
+    runs = span_part_runs(built)
+    wholes = [(a, b) for a, b, part in runs if part == "whole"]
+    assert len(wholes) == 3 and built.leading_cached_tokens < built.expected_cached_tokens
     prefill(llm, built.span_prefills)
     out = generate(llm, [built.prompt_token_ids], pic_sampling())[0]
     assert out.num_cached_tokens == built.expected_cached_tokens == built.reusable_tokens
-    assert out.num_cached_tokens == built.spans[0].end + sum(e - s for s, e in bodies)
-    # Two-pass reference: each body attends only within itself; heads, system and question
-    # attend to everything before them.
+    assert out.num_cached_tokens == built.spans[0].end + sum(e - s for s, e in wholes)
+    # The reference: each whole span attends only within itself, its copy of the head seen by
+    # it alone; heads, system and question attend to everything shown before them.
     full = built.prompt_token_ids + list(out.outputs[0].token_ids)
-    ref = tiny_ref.logprobs(full, bodies, prompt_len=len(built.prompt_token_ids))
+    ref = tiny_ref.logprobs(full, runs, prompt_len=len(built.prompt_token_ids))
     err = max_logprob_error(out.outputs[0], len(built.prompt_token_ids), ref)
-    assert err < REFERENCE_TOL, f"off the two-pass reference by {err:.2e} (seed={seed})"
+    assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
 
 
 def test_selective_same_output_whatever_the_cache_holds(engines, tiny_ref, seed) -> None:
@@ -176,7 +177,7 @@ def test_selective_same_output_whatever_the_cache_holds(engines, tiny_ref, seed)
                       "batched": batch[1]}.items():
         assert out.outputs[0].token_ids == cold.outputs[0].token_ids, f"{name} (seed={seed})"
         err = ref_error(out, prompt, runs)
-        assert err < REFERENCE_TOL, (f"{name}: off the two-pass reference by {err:.2e} "
+        assert err < REFERENCE_TOL, (f"{name}: off the reference by {err:.2e} "
                                      f"(share {share}, seed={seed})")
     assert ref_error(batch[0], other.prompt_token_ids, other_runs) < REFERENCE_TOL
 

@@ -278,6 +278,8 @@ def test_span_text_round_trips(builders, text, bs, mode):
     assert builder.decode(builder.prepare_span(text).token_ids) == text
     built = builder.build(spans=["lead", text], question="q?", mode=mode)
     pieces = [s for s in built.segments if s.kind == "span" and s.span_index == 1]
+    # a span after its head holds the whole text again (the head's copy hidden by the engine)
+    pieces = [s for s in pieces if s.part == "whole"] or pieces
     content = [t for s in pieces for t in built.segment_token_ids(s, content_only=True)]
     assert builder.decode(content) == text
 
@@ -336,10 +338,14 @@ def test_boundary_recompute_layout(builders):
     built = builder.build(system="Be brief.", spans=docs, question="Capital?",
                           mode="boundary_recompute")
     heads = [s for s in built.segments if s.part == "head"]
-    bodies = [s for s in built.segments if s.part == "body"]
-    assert [s.marker for s in heads] == ["pdep", "pdep"] and len(bodies) == 1
+    wholes = [s for s in built.segments if s.part == "whole"]
+    assert [s.marker for s in heads] == ["pdep", "pdep"] and len(wholes) == 1
     assert heads[0].length == 16  # PDEP + block_size - 1 tokens: the opening fills one block
-    assert all(s.reuse == "none" for s in heads) and bodies[0].reuse == "span"
+    assert all(s.reuse == "none" for s in heads) and wholes[0].reuse == "span"
+    # after its head, the whole span as block_attention lays it out: the same prefill and KV
+    block = builder.build(system="Be brief.", spans=docs, question="Capital?",
+                          mode="block_attention")
+    assert built.span_prefills[1] == block.span_prefills[1]
     system_end = built.spans[0].end
     # a prefix-only lookup stops at the first PDEP-led head; minipic's engine takes the bodies
     assert built.leading_cached_tokens == system_end
@@ -360,9 +366,9 @@ def test_boundary_recompute_layout(builders):
 
 def test_selective_layout_recomputes_a_share_of_each_span_from_its_start(builders, seed):
     """``selective@B``: round(B * n) of a span's n own tokens (half up; its SSEP and sink not
-    counted) recomputed, PDEP-led, from its start, the rest its body; @0 is block_attention
-    token for token; a span's prefill depends only on the span and B (never on the question);
-    bad budgets name the accepted form."""
+    counted) recomputed, PDEP-led, from its start, then the whole span; @0 is block_attention
+    token for token; a span's prefill is block_attention's (never depends on the question or
+    on B); bad budgets name the accepted form."""
     import math
 
     builder = pick_builder(builders, 16, True)
@@ -389,11 +395,12 @@ def test_selective_layout_recomputes_a_share_of_each_span_from_its_start(builder
         assert head.marker == "pdep" and head.reuse == "none"
         own = head.length - head.lead  # after its PDEP (its pads are a segment of their own)
         assert own == min(want, info.token_count), (share, info.token_count, own)
-        body = [s for s in segs if s.part == "body"]
-        assert bool(body) == (want < info.token_count)
+        whole = [s for s in segs if s.part == "whole"]
+        assert bool(whole) == (want < info.token_count)
     other = builder.build(spans=docs, question="Something else entirely?",
                           mode=f"selective@{share}")
     assert other.span_prefills == built.span_prefills  # question-independent prefills
+    assert set(map(tuple, built.span_prefills)) <= set(map(tuple, block.span_prefills))
     everything = builder.build(spans=docs, question="Which?", mode="selective@1")
     assert everything.span_prefills[1:] == [] and everything.expected_cached_tokens == (
         everything.spans[0].end)
@@ -453,10 +460,18 @@ def test_pretokenised_span_matches_text_span(builders):
 
 
 def strip_layout(built) -> list[int]:
-    """The prompt without markers, pads and span sinks (each segment's content)."""
+    """The prompt without markers, pads, span sinks and the copies of heads (what the model
+    is shown: each segment's content, a whole span after its head from the head's end on)."""
     ids = built.prompt_token_ids
-    return [t for seg in built.segments if seg.kind != "pad"
-            for t in ids[seg.content_start:seg.end]]
+    out: list[int] = []
+    head = 0
+    for seg in built.segments:
+        if seg.kind == "pad":
+            continue
+        skip = head if seg.part == "whole" else 0
+        out += ids[seg.content_start + skip:seg.end]
+        head = seg.end - seg.content_start if seg.part == "head" else 0
+    return out
 
 
 @SETTINGS

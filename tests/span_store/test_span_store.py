@@ -152,9 +152,9 @@ def test_store_loaded_final_equals_reference(disk_llm, ref, store_dir, seed) -> 
     assert _entries(store_dir), "nothing was written to the disk tier"
 
 
-def test_store_loaded_selective_final_equals_two_pass_reference(disk_llm, ref, seed) -> None:
-    """selective@B over spans the pool forgot: bodies and whole spans come from the store, the
-    heads are recomputed in context, and the output is the two-pass reference's."""
+def test_store_loaded_selective_final_equals_the_reference(disk_llm, ref, seed) -> None:
+    """selective@B over spans the pool forgot: the whole spans come from the store, the heads
+    are recomputed in context, and the output is the layout rule's reference."""
     from types import SimpleNamespace
 
     llm = disk_llm
@@ -162,7 +162,7 @@ def test_store_loaded_selective_final_equals_two_pass_reference(disk_llm, ref, s
     share = rng.choice([0.25, 0.5])
     built, runs = selective_prompt(llm, rng, share, "Which word comes first?")
     prefills = [built.span_prefills[i.prefill_index] for i in built.spans
-                if i.kind == "span" and i.prefill_index is not None]  # bodies and whole spans
+                if i.kind == "span" and i.prefill_index is not None]  # the whole spans
     saved_tokens = sum(len(p) for p in prefills)
     _saved(llm, SimpleNamespace(span_prefills=prefills, span_tokens=saved_tokens))
     assert llm.reset_prefix_cache()
@@ -173,7 +173,7 @@ def test_store_loaded_selective_final_equals_two_pass_reference(disk_llm, ref, s
     full = built.prompt_token_ids + list(out.outputs[0].token_ids)
     err = max_logprob_error(out.outputs[0], len(built.prompt_token_ids),
                             ref.logprobs(full, runs, prompt_len=len(built.prompt_token_ids)))
-    assert err < REFERENCE_TOL, f"off the two-pass reference by {err:.2e} (seed={seed})"
+    assert err < REFERENCE_TOL, f"off the reference by {err:.2e} (seed={seed})"
 
 
 def test_tenants_never_load_each_others_spans(disk_llm, ref, seed) -> None:

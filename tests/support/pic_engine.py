@@ -84,11 +84,13 @@ def random_documents(rng: random.Random) -> list[str]:
 
 
 def selective_prompt(llm: Any, rng: random.Random, share: float, question: str,
-                     docs: Sequence[str] | None = None) -> tuple[Any, list[tuple[int, int]]]:
+                     docs: Sequence[str] | None = None
+                     ) -> tuple[Any, list[tuple[int, int, str]]]:
     """A ``selective@share`` prompt of fresh random documents (some short enough to be all head
     or to get no head block) laid out by the SDK's builder for the engine's span config, and its
-    two-pass reference runs: the isolated parts (bodies and whole spans); heads, system and
-    question attend to everything before them."""
+    reference runs: every span part with its name (``minipic/tune/layout.py``: a whole span is
+    isolated, hiding the copy of the head computed in context right before it; heads, system
+    and question attend to everything shown before them)."""
     from minipic.prompt_builder import PromptBuilder
     from support.pic_reference import span_part_runs
 
@@ -100,5 +102,4 @@ def selective_prompt(llm: Any, rng: random.Random, share: float, question: str,
         docs = random_documents(rng)
     built = builder.build(system="Answer from the documents.", spans=list(docs),
                           question=question, mode=f"selective@{share}")
-    runs = [(a, b) for a, b, part in span_part_runs(built) if part in ("body", "whole")]
-    return built, runs
+    return built, span_part_runs(built)
