@@ -162,6 +162,76 @@ def test_generated_tokens_are_never_layout(engines, tiny_reference, seed) -> Non
 
 
 @pytest.mark.fast
+def test_a_span_hides_its_copy_of_the_head_before_it(seed) -> None:
+    """A span laid out whole after its head (``selective@B``: ``|P h _|S sink h rest _|``)
+    hides its copy of ``h`` like its sink; a span after a head its text does not begin with
+    (other tokens, a part of it only), or after no head, hides its sink alone. The worker's
+    rules (``span_segments.span_hidden``) written out as a mask and positions equal the
+    reference (``minipic/tune/layout.py``, told where the heads are), with and without sinks."""
+    import numpy as np
+
+    from minipic.engine_ext.attention.span_isolation import _PromptRules, _row_view
+    from minipic.span_contract.span_config import SpanConfig
+    from minipic.tune.layout import layout_view
+
+    rng = random.Random(seed)
+    bs = rng.choice([4, 8, 16])
+    sink_ids = rng.choice([(), (3,), (3, 4, 6)])
+    cfg = SpanConfig(block_size=bs, ssep_id=5, pdep_id=11, pad_id=16, sink_ids=sink_ids)
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(100, 1000) for _ in range(n)]
+
+    def padded(part: list[int]) -> list[int]:
+        return part + [cfg.pad_id] * (-len(part) % bs)
+
+    prompt = padded(words(rng.randrange(1, 2 * bs)))
+    runs: list[tuple[int, ...]] = []
+    kinds = []
+    for _ in range(rng.randrange(2, 6)):
+        kind = rng.choice(["copy", "copy", "other", "part", "none"])
+        text = words(rng.randrange(1, 3 * bs))
+        head = text[:rng.randrange(1, len(text) + 1)]
+        if kind == "other":
+            head = words(len(head))
+        elif kind == "part":
+            head = head + words(1)
+        if kind != "none":
+            start = len(prompt)
+            prompt += padded([cfg.pdep_id, *head])
+            runs.append((start, len(prompt), "head"))
+        start = len(prompt)
+        prompt += padded([cfg.ssep_id, *sink_ids, *text])
+        runs.append((start, len(prompt), "whole"))
+        kinds.append(kind)
+    prompt += [cfg.pdep_id, *words(rng.randrange(1, bs))]
+    tokens = np.array(prompt + words(3))
+    n, num_prompt = len(tokens), len(prompt)
+    rules = _PromptRules.derive(tokens[:num_prompt], cfg, bs)
+    view = _row_view(rules, n, np.arange(n), bs)
+    allowed_ref, positions_ref = layout_view(tokens.tolist(), runs,
+                                             (cfg.ssep_id, cfg.pdep_id, cfg.pad_id),
+                                             cfg.sink_ids, prompt_len=num_prompt)
+    j = torch.arange(n)
+    shown = torch.from_numpy(view.key_positions) >= 0
+    hidden = torch.from_numpy(view.sink)
+    isolated = torch.from_numpy(view.isolated)
+    allowed = (j[None, :] <= j[:, None]) & (j[None, :] >= torch.from_numpy(view.key_start)[:, None])
+    allowed &= (shown & ~hidden)[None, :] | (hidden[None, :] & isolated[:, None])
+    allowed &= shown[:, None]
+    allowed |= torch.eye(n, dtype=torch.bool)
+    assert torch.equal(allowed, allowed_ref), f"{kinds} (seed={seed})"
+    assert torch.equal(torch.from_numpy(view.key_positions)[shown], positions_ref[shown]), \
+        f"{kinds} (seed={seed})"
+    copies = sum(len(tokens[a:b][np.isin(tokens[a:b], (cfg.pdep_id, cfg.pad_id), invert=True)])
+                 for (a, b, part), kind in zip([r for r in runs if r[2] == "head"],
+                                               [k for k in kinds if k != "none"], strict=True)
+                 if kind == "copy")
+    whole = sum(1 for _, _, part in runs if part == "whole")
+    assert int(hidden.sum()) == copies + whole * len(sink_ids), f"{kinds} (seed={seed})"
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("open_span", [False, True], ids=["question", "open-span"])
 def test_worker_span_rules_read_the_prompt_only(open_span: bool, seed) -> None:
     """The worker's rules for one request (``span_isolation._row_view``), written out as a
