@@ -45,7 +45,7 @@ DEFAULT_SELECTIVE_SHARE = 0.25
 class ModeSpec:
     """A mode with its parameter, as users write it: ``block_attention``,
     ``boundary_recompute@40`` (head length in tokens), ``selective@0.15`` (the share of each
-    span's blocks recomputed in context)."""
+    span's own tokens recomputed in context, from its start)."""
 
     mode: Mode
     recompute_tokens: int | None = None  # boundary_recompute

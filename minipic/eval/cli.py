@@ -43,7 +43,7 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated (default {','.join(DEFAULT_MODES)}); "
                         f"boundary_recompute@TOKENS sets its head length (default one block), "
-                        f"selective@SHARE the share of each span's blocks recomputed in "
+                        f"selective@SHARE the share of each span's own tokens recomputed in "
                         f"context (e.g. selective@0.15); MODE/no-sink lays the spans out "
                         f"without their sink (the model's opening each span carries)")
     p.add_argument("--passages", default="3-10",
