@@ -595,18 +595,8 @@ def floats(text: str, what: str, ap: argparse.ArgumentParser) -> list[float]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = ss.argument_parser(__doc__)
-    ap.add_argument("--n", type=int, default=300, help="items: the first N (default 300)")
-    ap.add_argument("--data", default="results/fidelity/items.jsonl",
-                    help="a .jsonl of {id, question, documents, answer?, system?} (default "
-                         "results/fidelity/items.jsonl, the fidelity table's 300 items), or "
-                         "builtin / fanoutqa / squad as minipic eval (with --seed, --passages, "
-                         "--max-words)")
-    ap.add_argument("--seed", type=int, default=0,
-                    help="data seed of the built-in sets and of the bootstrap (default 0)")
-    ap.add_argument("--passages", default="3-10", help="documents per built-in item, MIN-MAX")
-    ap.add_argument("--max-words", type=int, default=80, help="built-in passages' cut (80)")
-    ap.add_argument("--max-tokens", type=int, default=10,
-                    help="greedy answer length A (default 10, as results/fidelity)")
+    ss.add_fidelity_items(ap, seed_help="data seed of the built-in sets and of the bootstrap "
+                                        "(default 0)")
     ap.add_argument("--temps", default="1.1,0.9,0.8",
                     help="APE temperatures T: the question's and answer's logits to span-content "
                          "keys divided by T; empty: none (default 1.1,0.9,0.8)")

@@ -567,6 +567,23 @@ def argument_parser(doc: str | None) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def add_fidelity_items(ap: argparse.ArgumentParser, *, seed_help: str) -> None:
+    """The item options of the scripts that read the fidelity table's items (``--n`` 300,
+    ``--data`` results/fidelity/items.jsonl, ``--seed``, ``--passages``, ``--max-words``,
+    ``--max-tokens`` 10, as results/fidelity)."""
+    ap.add_argument("--n", type=int, default=300, help="items: the first N (default 300)")
+    ap.add_argument("--data", default="results/fidelity/items.jsonl",
+                    help="a .jsonl of {id, question, documents, answer?, system?} (default "
+                         "results/fidelity/items.jsonl, the fidelity table's 300 items), or "
+                         "builtin / fanoutqa / squad as minipic eval (with --seed, --passages, "
+                         "--max-words)")
+    ap.add_argument("--seed", type=int, default=0, help=seed_help)
+    ap.add_argument("--passages", default="3-10", help="documents per built-in item, MIN-MAX")
+    ap.add_argument("--max-words", type=int, default=80, help="built-in passages' cut (80)")
+    ap.add_argument("--max-tokens", type=int, default=10,
+                    help="greedy answer length A (default 10, as results/fidelity)")
+
+
 def parse_common(ap: argparse.ArgumentParser, argv: Sequence[str] | None, *, check_help: str,
                  out: str) -> argparse.Namespace:
     """``ap`` with the options every script of this kind ends with (``--model``, ``--threads``,
