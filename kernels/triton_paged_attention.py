@@ -16,7 +16,8 @@ tokens. The causal mask and ``key_start`` stay in index space. The flag ``HAS_KE
 a constexpr, so launches without ``key_positions`` compile to the same code as before.
 
 Sink keys (docs/design.md §2): each span carries a private copy of the model's opening after its
-SSEP, which only that span may read. Given ``key_sink`` (``[num_reqs, W]`` bool) and
+SSEP (and, after a head computed in context, its copy of that head), which only that span may
+read. Given ``key_sink`` (``[num_reqs, W]`` bool) and
 ``query_isolated`` (``[num_tokens]`` bool), a sink key is rotated at its (non-negative) position
 like a real key but masked for every query that is not isolated, except the one at its own
 index. Same constexpr scheme (``HAS_SINK``): launches without sinks keep their code.

@@ -111,9 +111,10 @@ class SpanView:
       position of its key ``j`` (the count of real tokens before it; -1: a layout key) and
       ``query_shift[t]`` the logical minus the physical position of query ``t`` (the model
       rotated queries at vLLM's physical positions; attention moves them by this).
-    * the sink (docs/design.md §2): the model's opening, copied after a span's SSEP, is seen
-      only by its own span. ``key_sink[r, j]`` marks such a key (its ``key_positions`` entry is
-      its virtual position, >= 0: just before the span's first real token); only the queries
+    * the sink (docs/design.md §2): the model's opening, copied after a span's SSEP, and the
+      copy of a head computed in context before the span are seen only by their own span.
+      ``key_sink[r, j]`` marks such a key (its ``key_positions`` entry is its virtual position,
+      >= 0: just before the span's first shown token); only the queries
       with ``query_isolated[t]`` (rows inside an SSEP-led segment, whose ``key_start`` already
       keeps them inside their own span) may attend to it. None: no sink key in the step
       (``query_isolated`` is there whenever a request is masked).

@@ -16,9 +16,10 @@ in a final prompt, or a final prompt sent cold. That is what makes a span-local 
 cache key (``engine_ext/hashing/span_hashing.py``) and lets the lookup attach cached blocks after a
 miss (``engine_ext/holes/scheduler_lookup.py``).
 
-The sink (the model's opening copied after a span's SSEP, :func:`span_sinks`) lives inside its
-span's segment, so this rule also keeps every other segment from it; rule 1 hides it from the
-rows outside any span.
+The sink (the model's opening copied after a span's SSEP, :func:`span_sinks`) and the copy of a
+head computed in context before the span (:func:`span_hidden`) live inside their span's segment,
+so this rule also keeps every other segment from them; rule 1 hides them from the rows outside
+any span.
 
 **Markers are prompt tokens.** The client lays out the prompt, never the answer: a token the
 model generates is a real token whatever its id (docs/design.md §2). So a block whose first

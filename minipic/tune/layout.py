@@ -119,11 +119,13 @@ def hidden_runs(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
         span = starts.get(head[1])
         if span is None:
             continue
-        copy = [t for t, lay in zip(token_ids[head[0]:head[1]], layout[head[0]:head[1]],
-                                    strict=True) if not lay]
+        shown = layout[head[0] + 1:head[1]].tolist()  # after its PDEP: real tokens, then pads
+        real = len(shown) - shown[::-1].index(False) if False in shown else 0
+        copy = list(token_ids[head[0] + 1:head[0] + 1 + real])
         lead = int((in_sink[span[0]:span[1]] >= 0).sum())
         first = span[0] + 1 + lead
-        if not copy or list(token_ids[first:first + len(copy)]) != copy:
+        if (not copy or any(shown[:real]) or first + len(copy) > span[1]
+                or list(token_ids[first:first + len(copy)]) != copy):
             continue
         run = lead + len(copy)
         index[span[0] + 1:span[0] + 1 + run] = torch.arange(run)
