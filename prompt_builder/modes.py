@@ -322,12 +322,12 @@ class SelectiveLayout(BoundaryRecomputeLayout):
     at ``B = 0.25`` a span of 38 tokens was recomputed whole and one of 150 tokens at 42%, so a
     mode compared "with and without the sink" compared different budgets.
 
-    Why the opening of each span and not blocks chosen per question: measured on held-out items
-    (``results/selective_signal/``, docs/design.md §8), recomputing span starts beat the
-    question's attention to the cached keys (ProphetKV-like; no better than random on this
-    model) and the KV deviation (CacheBlend-like) at every budget at block granularity. A
-    question-independent choice also keeps each span's prefill one per document: the cut depends
-    only on the span's length and ``B``.
+    Why the opening of each span and not blocks chosen per question: measured at equal budgets
+    on today's layout (``results/span_selection/``, docs/design.md §8), heads beat random blocks
+    by 0.12-0.16 KL, and tails, related spans and the KV deviation (CacheBlend-like) at B = 0.1
+    and 0.25; only at B = 0.5 does the deviation win, and it needs a first layer computed in
+    context per question. A question-independent choice also leaves the span's prefill as it
+    is, one per document: the head depends only on the span's length and ``B``.
     """
 
     mode = Mode.SELECTIVE
