@@ -79,6 +79,12 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-cache-reset", action="store_true",
                    help=f"serve POST {RESET_PATH} (empties the prefix cache; for tests, "
                         "benchmarks and operators). Off by default: it answers 403")
+    p.add_argument("--sink-gap", type=int, default=None, metavar="G",
+                   help="positions between a span's sink (its copy of the model's opening) and "
+                        "its first token: the document sits G tokens after the opening, as it "
+                        "would after a prompt's prefix (default 0; 64-138 measured best untuned, "
+                        "results/fidelity/sink_gap; a model tuned by `minipic tune` is tuned for "
+                        "one G)")
     p.add_argument("--no-pic", action="store_true",
                    help="run stock vLLM behaviour (plugin off): the baseline")
     limits = p.add_argument_group(
@@ -242,6 +248,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         features=features,
         ckpt=ckpt,
         span_store=span_store_config(args),
+        sink_gap=args.sink_gap,
     )
 
 

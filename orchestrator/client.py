@@ -195,7 +195,7 @@ class Orchestrator:
             builder = PromptBuilder.from_pretrained(
                 settings.model, block_size=span.block_size, ssep_id=span.ssep_id,
                 pdep_id=span.pdep_id, pad_id=span.pad_id, max_model_len=settings.max_model_len,
-                sink_ids=span.sink_ids,
+                sink_ids=span.sink_ids, sink_gap=span.sink_gap,
             )
             orc = cls(backend, builder, options=options)
             if learn_stored_spans and settings.span_store is not None:

@@ -146,12 +146,17 @@ class PromptBuilder:
         max_model_len: int | Literal["auto"] | None = "auto",
         block_size_multiple: int | None = None,
         sink_ids: Sequence[int] | None = None,
+        sink_gap: int | None = None,
     ) -> PromptBuilder:
         """Load the tokenizer of ``model_dir`` (None: minipic's default model) and pick markers.
 
         ``sink_ids``: the opening copied after each span's SSEP (None: the model's own,
         ``span_contract.special_tokens.model_sink_ids``, the one the engine computes, whatever
         ``chat_template`` and ``chat_template_kwargs`` say; ``()``: spans without a sink).
+        ``sink_gap``: the engine's ``SpanConfig.sink_gap`` (None: the one the model folder was
+        tuned for, ``span_contract.models.tuned_sink_gap``, as the engine's default). Positions
+        only: the builder lays out the same tokens whatever it is; it is part of the
+        configuration it checks against the engine's.
         Marker ids default to the model family's unused special tokens
         (``span_contract.special_tokens``; ``family`` forces one); any id given explicitly overrides
         its default. ``max_model_len="auto"`` reads ``max_position_embeddings`` from the
@@ -159,13 +164,15 @@ class PromptBuilder:
         """
         from transformers import AutoTokenizer
 
-        from minipic.span_contract.models import resolve_model
+        from minipic.span_contract.models import resolve_model, tuned_sink_gap
 
         _check_block_size(block_size, block_size_multiple)
         path = resolve_model(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(path)
+        if sink_gap is None:
+            sink_gap = tuned_sink_gap(path)
         config = cls._pick_span_config(tokenizer, block_size, family, ssep_id, pdep_id, pad_id,
-                                       sink_ids)
+                                       sink_ids, sink_gap)
         if max_model_len == "auto":
             max_model_len = _model_max_len(path)
         return cls(
@@ -178,7 +185,7 @@ class PromptBuilder:
     def _pick_span_config(
         tokenizer: Any, block_size: int, family: str | None,
         ssep_id: int | None, pdep_id: int | None, pad_id: int | None,
-        sink_ids: Sequence[int] | None = None,
+        sink_ids: Sequence[int] | None = None, sink_gap: int = 0,
     ) -> SpanConfig:
         given = {"ssep_id": ssep_id, "pdep_id": pdep_id, "pad_id": pad_id}
         defaults: dict[str, int] = {}
@@ -203,7 +210,7 @@ class PromptBuilder:
                     "span carries as its sink; markers must be tokens the chat template never "
                     "writes")
         try:
-            return SpanConfig(block_size=block_size, sink_ids=sink, **ids)
+            return SpanConfig(block_size=block_size, sink_ids=sink, sink_gap=sink_gap, **ids)
         except PydanticValidationError as exc:
             raise SpanTokenError(f"invalid span token ids {ids}: {exc}") from None
 
@@ -272,8 +279,10 @@ class PromptBuilder:
                 raise EngineMismatchError(
                     f"engine configuration is not a SpanConfig: {exc}"
                 ) from None
-        # a builder without a sink suits any engine: its spans simply carry none
-        fields = [f for f in SpanConfig.model_fields if f != "sink_ids" or ours.sink_ids]
+        # a builder without a sink suits any engine: its spans simply carry none (so neither
+        # the engine's sink nor where it places one matters)
+        fields = [f for f in SpanConfig.model_fields
+                  if f not in ("sink_ids", "sink_gap") or ours.sink_ids]
         diffs = [
             f"{field}: builder {getattr(ours, field)}, engine {getattr(engine, field)}"
             for field in fields

@@ -102,6 +102,9 @@ class EngineSettings(BaseModel):
     pic: bool = Field(True, description="enable the minipic plugin (span hashing + RoPE)")
     features: tuple[str, ...] = ALL_FEATURES
     span_config: SpanConfig | None = Field(None, description="None = the model family's default")
+    sink_gap: int | None = Field(
+        None, ge=0, description="SpanConfig.sink_gap of the default span config (None: its "
+                                "default; with span_config given, must equal its own)")
     gpu_memory_utilization: float = 0.3
     prefix_caching: bool = Field(
         True, description="False = vLLM without prefix caching (the exactness baseline)")
@@ -126,6 +129,11 @@ class EngineSettings(BaseModel):
             raise ValueError(f"block_size must be a multiple of 32 on CPU, got {self.block_size}")
         model = resolve_model(self.model)
         span = self.span_config or span_config_for_model(model, self.block_size)
+        if self.sink_gap is not None and self.sink_gap != span.sink_gap:
+            if self.span_config is not None:
+                raise ValueError(f"sink_gap={self.sink_gap} but span_config.sink_gap="
+                                 f"{span.sink_gap}: give it in one place")
+            span = span.model_copy(update={"sink_gap": self.sink_gap})
         if span.block_size != self.block_size:
             raise ValueError(
                 f"span_config.block_size={span.block_size} != engine block_size={self.block_size}"

@@ -40,6 +40,9 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 COMPLETE_MARKER = ".minipic-complete"
 FETCH_HINT = "run `minipic models fetch`"
 FORCE_HINT = "run `minipic models fetch --force`"
+# what `minipic tune` writes into the model folder it produces: the items it tuned on (which
+# `minipic eval` never scores) and the layout it tuned for (``tuned_sink_gap``)
+TUNE_MANIFEST = "minipic_tune.json"
 
 
 class ModelUnavailableError(UnavailableError):
@@ -227,6 +230,24 @@ def default_model_dir(fetch: bool = True, force: bool = False) -> Path:
     if force and target.exists():
         shutil.rmtree(target)
     return _publish(lambda tmp: _convert_gguf(gguf, tmp), target)
+
+
+def tuned_sink_gap(model_dir: str | os.PathLike[str]) -> int:
+    """The ``SpanConfig.sink_gap`` a ``minipic tune`` output was tuned for (0 for any other
+    model, and for tunes from before the setting: they learned 0). Why an engine reads it: the
+    tuned weights expect their sinks where tuning put them; served with another gap they answer
+    worse than untuned."""
+    manifest = Path(model_dir) / TUNE_MANIFEST
+    if not manifest.is_file():
+        return 0
+    try:
+        gap = json.loads(manifest.read_text()).get("sink_gap", 0)
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{manifest} is unreadable ({exc}): cannot tell the sink gap this "
+                         f"model was tuned for") from exc
+    if not isinstance(gap, int) or gap < 0:
+        raise ValueError(f"{manifest}: sink_gap must be an integer >= 0, got {gap!r}")
+    return gap
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:

@@ -213,6 +213,11 @@ def default_span_config(tokenizer: Any, block_size: int = 32) -> SpanConfig:
 
 
 def span_config_for_model(model_dir: str, block_size: int = 32) -> SpanConfig:
+    """The default span configuration of a model folder: its family's markers and opening, and
+    the sink gap it was tuned for (``models.tuned_sink_gap``)."""
     from transformers import AutoTokenizer
 
-    return default_span_config(AutoTokenizer.from_pretrained(model_dir), block_size)
+    from minipic.span_contract.models import tuned_sink_gap
+
+    config = default_span_config(AutoTokenizer.from_pretrained(model_dir), block_size)
+    return config.model_copy(update={"sink_gap": tuned_sink_gap(model_dir)})

@@ -173,25 +173,28 @@ class _PromptRules:
     sink: np.ndarray  # [num_prompt] bool: hidden runs (span sinks and head copies)
     rope_at: np.ndarray  # [num_prompt] int64: each token's position (layout: its would-be one)
     real: int  # real tokens in the prompt
-    shift: int  # the positions' constant (the sink's length when the prompt holds a sink)
+    shift: int  # the positions' constant (sink length + gap when the prompt holds a sink)
     block_start: np.ndarray  # [prompt blocks] int64: block_segments of the prompt's blocks
     block_isolated: np.ndarray  # [prompt blocks] bool
 
     @classmethod
     def derive(cls, prompt: np.ndarray, config: SpanConfig, block_size: int) -> _PromptRules:
         layout = prompt_layout(prompt, prompt.shape[0], config)
+        in_sink = span_sinks(prompt, block_size, config.ssep_id, config.sink_ids) >= 0
         index, length = span_hidden(prompt, block_size, config.ssep_id, config.pdep_id,
-                                    config.pad_id, config.sink_ids)
+                                    config.pad_id, config.sink_ids, in_sink)
         sink = index >= 0
-        holds_sink = (span_sinks(prompt, block_size, config.ssep_id, config.sink_ids) >= 0).any()
-        shift = len(config.sink_ids) if holds_sink else 0
+        gap = config.sink_gap
+        shift = len(config.sink_ids) + gap if in_sink.any() else 0
         real = (~layout & ~sink).astype(np.int64)
         before = np.cumsum(real) - real  # real tokens before each token
         starts, isolated = block_segments(prompt[::block_size], config.ssep_id, config.pdep_id,
                                           block_size, prompt.shape[0])
-        # a hidden run ends just before its span's first shown token (at before + shift)
+        # a hidden run ends just before its span's first shown token (at before + shift), its
+        # sink part ``sink_gap`` positions further back
+        hidden_at = before + shift - length + index - np.where(in_sink, gap, 0)
         return cls(prompt=prompt.copy(), layout=layout, sink=sink,
-                   rope_at=np.where(sink, before + shift - length + index, before + shift),
+                   rope_at=np.where(sink, hidden_at, before + shift),
                    real=int(real.sum()), shift=shift, block_start=starts,
                    block_isolated=isolated)
 
@@ -218,11 +221,12 @@ def _row_view(rules: _PromptRules, seq_len: int, positions: np.ndarray,
     extend to the generated tokens by arithmetic.
 
     Positions (rule 1 and the sink): a real token sits at the number of real tokens before it,
-    plus one constant per request: the sink's length when the request holds a sink, so that a
-    span's sink, placed on the positions just before the span's first real token (where the
-    span would follow the opening), never goes below 0. A span's hidden run (its sink, then the
-    copy of a head computed in context before it: ``span_segments.span_hidden``) ends just
-    before the span's first shown token.
+    plus one constant per request: the sink's length and ``SpanConfig.sink_gap`` when the
+    request holds a sink, so that a span's sink, placed ``sink_gap`` positions before the
+    span's first real token (where the span would follow the opening), never goes below 0. A
+    span's hidden run (its sink, then the copy of a head computed in context before it:
+    ``span_segments.span_hidden``) ends just before the span's first shown token, its sink
+    part a further ``sink_gap`` positions before.
     """
     num_prompt = rules.prompt.shape[0]
     head = min(num_prompt, seq_len)

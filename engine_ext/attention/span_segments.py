@@ -94,7 +94,8 @@ def _segments(block_first_tokens: np.ndarray, ssep_id: int, pdep_id: int, block_
 
 
 def span_hidden(tokens: np.ndarray, block_size: int, ssep_id: int, pdep_id: int, pad_id: int,
-                sink_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+                sink_ids: tuple[int, ...], in_sink: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
     """Per token: ``(index, length)`` of its place in a span's hidden run (-1, 0: none).
 
     A span's hidden run (docs/design.md §2) is what follows its SSEP and only the span itself
@@ -106,16 +107,18 @@ def span_hidden(tokens: np.ndarray, block_size: int, ssep_id: int, pdep_id: int,
     The hidden run sits on the positions just before the span's first shown token. A prompt
     without heads hides its sinks only, as before.
 
-    ``tokens`` must be the whole prompt, and only it (as :func:`span_sinks`).
+    ``tokens`` must be the whole prompt, and only it (as :func:`span_sinks`). ``in_sink``:
+    :func:`span_sinks` ``>= 0`` for the same arguments, when the caller has it already.
     """
     index = np.full(tokens.shape[0], -1, dtype=np.int64)
     length = np.zeros(tokens.shape[0], dtype=np.int64)
     firsts = tokens[::block_size]
-    sink_at = span_sinks(tokens, block_size, ssep_id, sink_ids)
+    if in_sink is None:
+        in_sink = span_sinks(tokens, block_size, ssep_id, sink_ids) >= 0
     _, last_marker = _segments(firsts, ssep_id, pdep_id, block_size, tokens.shape[0])
     for block in np.flatnonzero(firsts == ssep_id):
         start = int(block) * block_size
-        lead = len(sink_ids) if start + 1 < tokens.shape[0] and sink_at[start + 1] == 0 else 0
+        lead = len(sink_ids) if start + 1 < tokens.shape[0] and in_sink[start + 1] else 0
         head = _head_before(tokens, block, last_marker, block_size, pdep_id, pad_id, ssep_id)
         after = start + 1 + lead
         if head.size and not np.array_equal(tokens[after:after + head.size], head):

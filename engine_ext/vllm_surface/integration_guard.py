@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from minipic.engine_ext.vllm_surface.added_names import GUARD_ATTR
+from minipic.engine_ext.vllm_surface.added_names import GUARD_ATTR, ROPE_ATTR
 from minipic.span_contract.errors import EngineIntegrationError
 from minipic.span_contract.model_support import ModelSupport
 from minipic.span_contract.span_config import spans_opted_in
@@ -118,7 +118,7 @@ def _layer_reasons(vllm_config: Any) -> tuple[int, dict[str, str]]:
         if not getattr(impl, "position_free_capable", False):
             bad[name] = (f"{type(layer).__name__} with attention impl {type(impl).__name__}, "
                          f"not minipic's position-free backend" + (f" ({why})" if why else ""))
-        elif getattr(impl, "minipic_rope", None) is None:
+        elif getattr(impl, ROPE_ATTR, None) is None:
             bad[name] = why or ("keys are stored rotated (the module owning this layer was not "
                                 "converted to unrotated keys)")
     return len(layers), bad
@@ -148,7 +148,37 @@ def worker_model_support(worker: Any) -> ModelSupport:
         name, why = next(iter(bad.items()))
         return ModelSupport(False, f"{len(bad)} of {count} attention layers keep rotated keys; "
                                    f"first {name}: {why}", count, count - len(bad))
+    short = position_room(worker.vllm_config)
+    if short:
+        return ModelSupport(False, short, count, count)
     return ModelSupport(True, None, count, count)
+
+
+def position_room(vllm_config: Any) -> str | None:
+    """Why a span request could reach a position past the model's rotary table (None: it
+    cannot).
+
+    A span request's positions are its real tokens' count plus the sink's length and
+    ``SpanConfig.sink_gap``; the sink's tokens and the layout take none, so the last position
+    stays below ``max_model_len + sink_gap``. A table shorter than that would make the rotary
+    op index past its end inside a step, which stops the engine for every user: refused here,
+    where span requests get the reason and plain ones run on.
+    """
+    from minipic.span_contract.span_config import SpanConfig
+
+    config = SpanConfig.from_env()
+    gap = config.sink_gap if config is not None else 0
+    if not gap:
+        return None
+    limit = vllm_config.model_config.max_model_len + gap
+    for name, layer in _kv_attention_layers(vllm_config).items():
+        rope = getattr(getattr(layer, "impl", None), ROPE_ATTR, None)
+        rows = getattr(rope, "cos_sin_cache", None)
+        if rows is not None and rows.shape[0] < limit:
+            return (f"sink_gap={gap} moves span positions up to {limit - 1}, past the rotary "
+                    f"table of {rows.shape[0]} positions ({name}); lower --max-model-len to "
+                    f"{rows.shape[0] - gap} or the sink gap")
+    return None
 
 
 def install() -> None:

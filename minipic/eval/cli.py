@@ -55,6 +55,9 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                         "every item without checking whether the served model was tuned on "
                         "some of them (`minipic tune`; default: refuse)")
     p.add_argument("--model", default=None, help="embedded model (default SmolLM2-135M)")
+    p.add_argument("--sink-gap", type=int, default=None, metavar="G",
+                   help="the embedded engine's sink gap: positions between a span's sink and its "
+                        "first token (default 0; see `minipic serve --help`)")
     p.add_argument("--reference-model", default=None,
                    help="compare every mode with this model's full attention instead of the "
                         "evaluated model's own (e.g. the base model of a `minipic tune` output; "
@@ -108,7 +111,13 @@ def run(args: argparse.Namespace) -> int:
     if args.reference_model and args.url:
         print("minipic eval: --reference-model needs the embedded engine (no --url)")
         return 2
-    orc = Orchestrator.connect(args.url) if args.url else Orchestrator.embedded(args.model)
+    if args.sink_gap is not None and args.url:
+        print("minipic eval: --sink-gap sets the embedded engine's; a server has its own "
+              "(`minipic serve --sink-gap`)")
+        return 2
+    gap = {} if args.sink_gap is None else {"sink_gap": args.sink_gap}
+    orc = (Orchestrator.connect(args.url) if args.url
+           else Orchestrator.embedded(args.model, **gap))
     reference = Orchestrator.embedded(args.reference_model) if args.reference_model else None
     if reference is not None and reference.builder.tokenizer.get_vocab() != (
             orc.builder.tokenizer.get_vocab()):

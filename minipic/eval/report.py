@@ -37,7 +37,9 @@ async def evaluate(orc: Any, items: Sequence[EvalItem], modes: Sequence[str] = D
     info = orc.backend.info
     return finite({
         "engine": {"kind": info.kind, "model": info.model, "max_model_len": info.max_model_len,
-                   "reference_model": (reference_orc or orc).backend.info.model},
+                   "reference_model": (reference_orc or orc).backend.info.model,
+                   "span_config": (info.span_config.model_dump(mode="json")
+                                   if info.span_config is not None else None)},
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "python": platform.python_version()},
         "settings": {"modes": list(modes), "max_tokens": max_tokens, "top_k": k,

@@ -36,9 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from minipic.span_contract.models import TUNE_MANIFEST
+
 __all__ = ["add_subparser", "run"]
 
-MANIFEST = "minipic_tune.json"
+MANIFEST = TUNE_MANIFEST
 # the best of 2e-4 / 5e-4 (LoRA) and 1e-5 / 2e-5 / 5e-5 (full) at equal steps on SmolLM2; the
 # two bests learn alike (results/tune/methods/)
 DEFAULT_LR = {"lora": 5e-4, "full": 5e-5}
@@ -78,6 +80,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
                    help="built-in passages are cut to this many words (default 80)")
     p.add_argument("--report-n", type=int, default=40,
                    help="held-out items scored at the end (0: none; default 40)")
+    p.add_argument("--sink-gap", type=int, default=0, metavar="G",
+                   help="tune for spans whose sink sits G positions before their first token "
+                        "(SpanConfig.sink_gap; default 0). The model folder records it, and an "
+                        "engine serving that folder places sinks so by default")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue from checkpoints/last.pt")
     p.add_argument("--skip-bad-lines", action="store_true",
@@ -169,7 +175,8 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
     settings = trainer.TuneSettings(
         model=model_dir, steps=steps, batch=args.batch, lr=args.lr, lora_rank=args.lora_rank,
         lora_alpha=2 * args.lora_rank, max_tokens=args.max_tokens, seed=args.seed,
-        dtype=dtype, data_digest=data_digest, method=args.method, keep_full=args.keep_full)
+        dtype=dtype, data_digest=data_digest, method=args.method, keep_full=args.keep_full,
+        sink_gap=args.sink_gap)
     print(f"minipic tune: {len(loaded.train)} tuning items ({loaded.excluded} dropped as eval "
           f"items, {len(loaded.bad_lines)} bad lines skipped), {len(loaded.heldout)} held out; "
           f"{steps} steps × {args.batch}", flush=True)
@@ -201,7 +208,7 @@ def _tune(args: argparse.Namespace, passages: tuple[int, int]) -> int:
         "model": model_dir, "model_name": Path(model_dir).name, "out": str(args.out / "model"),
         **{k: getattr(settings, k) for k in ("steps", "batch", "lr", "lora_rank",
                                              "lora_alpha", "max_tokens", "seed", "dtype",
-                                             "keep_full")},
+                                             "keep_full", "sink_gap")},
         "saved_dtype": saved_dtype, "scored": saved.describe() if saved is not None else None,
         "device": device, "gradient_checkpointing": checkpointing,
         "method": settings.describe(),
@@ -234,7 +241,7 @@ def _builder(model_dir: str, settings: Any) -> Any:
     return PromptBuilder.from_pretrained(model_dir, block_size=settings.block_size,
                                          ssep_id=span.ssep_id, pdep_id=span.pdep_id,
                                          pad_id=span.pad_id, max_model_len=settings.max_model_len,
-                                         sink_ids=span.sink_ids)
+                                         sink_ids=span.sink_ids, sink_gap=settings.sink_gap)
 
 
 def _save_merged(student: Any, base_dir: str, folder: Path, settings: Any, device: str,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from minipic.eval.datasets import CPKC_GONE, EvalItem, builtin_items, load_jsonl, squad_items
 from minipic.span_contract.errors import BadInputError
+from minipic.span_contract.models import TUNE_MANIFEST
 
 # what `minipic eval` scores by default: never tuned on
 EVAL_DEFAULT = {"name": "builtin", "n": 300, "seed": 0, "passages": (3, 10), "max_words": 80}
@@ -116,7 +117,7 @@ def write_heldout(items: list[EvalItem], path: Path) -> None:
 def tuned_question_digests(model_dir: str | Path) -> set[str]:
     """The questions a model folder written by ``minipic tune`` was tuned on (empty for any
     other model)."""
-    manifest = Path(model_dir) / "minipic_tune.json"
+    manifest = Path(model_dir) / TUNE_MANIFEST
     if not manifest.is_file():
         return set()
     try:

@@ -13,7 +13,9 @@ docs/design.md §2 defines what a span layout means, and this module is its exec
   sink into its opening. Only the span's own tokens see it, at the positions just before the
   span's first real token (where the span would follow the opening); it is no token of the
   plain prompt, so the positions of real tokens do not count it. The constant shift is the
-  sink's length in a prompt that holds one (so no sink position is negative), else 0.
+  sink's length in a prompt that holds one (so no sink position is negative), else 0. With a
+  **sink gap** G (``SpanConfig.sink_gap``) the sink sits G positions further back, as the
+  plain prompt's opening sits a prefix's length before a document, and the shift grows by G.
 * **a head's copy** (``selective@B``, ``boundary_recompute``): a span whose head is computed in
   context keeps its whole text in its cached span, so its later tokens saw their opening as in
   its prefill. The head (a PDEP-led run before the span) holds the opening's positions and is
@@ -135,7 +137,8 @@ def hidden_runs(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
 
 def layout_view(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
                 layout_ids: Collection[int], sink_ids: Sequence[int] = (),
-                prompt_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                prompt_len: int | None = None, sink_gap: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(allowed [len, len], positions [len])`` of a span-opted-in prompt under block
     attention, rule 1 and each span's sink (``sink_ids``, ``()``: none). ``layout_ids=()``
     gives block attention at physical positions (the layout as the model saw it before rule
@@ -144,7 +147,10 @@ def layout_view(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
     ``prompt_len``: ``token_ids`` is a prompt of that many tokens followed by what the model
     generated (teacher forcing); rule 1 looks at the prompt only, so a generated SSEP / PDEP /
     PAD is a real token at its real position, seen like any other (``spans`` lie in the
-    prompt: a generated token attends causally to every real key, as the question does)."""
+    prompt: a generated token attends causally to every real key, as the question does).
+
+    ``sink_gap``: positions between a span's sink and its first real token
+    (``SpanConfig.sink_gap``); the constant shift grows by it."""
     length = len(token_ids)
     allowed = block_attention_allowed(length, spans)
     if not layout_ids:
@@ -161,9 +167,10 @@ def layout_view(token_ids: Sequence[int], spans: Sequence[tuple[int, ...]],
     allowed[layout] = False
     allowed |= torch.eye(length, dtype=torch.bool)
     before = logical_positions(layout | hidden)
-    shift = len(sink_ids) if bool((in_sink >= 0).any()) else 0
-    # a hidden run ends just before its span's first shown token
-    return allowed, torch.where(hidden, before + shift - run + index, before + shift)
+    shift = len(sink_ids) + sink_gap if bool((in_sink >= 0).any()) else 0
+    # a hidden run ends just before its span's first shown token, its sink ``sink_gap`` earlier
+    hidden_at = before + shift - run + index - torch.where(in_sink >= 0, sink_gap, 0)
+    return allowed, torch.where(hidden, hidden_at, before + shift)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -43,6 +43,7 @@ class Example:
     answer_start_teacher: int  # index of A's first token in teacher_ids
     layout_ids: tuple[int, ...] = ()  # the student's SSEP / PDEP / PAD (rule 1 hides them)
     sink_ids: tuple[int, ...] = ()  # the opening each of its spans carries (its sink)
+    sink_gap: int = 0  # positions between a span's sink and its first token
 
     @property
     def student_prompt_len(self) -> int:
@@ -89,7 +90,8 @@ def make_example(teacher: Any, builder: Any, item: Any, max_tokens: int) -> Exam
                    shared=common_suffix(teacher_ids, student_ids), answer=answer,
                    answer_start_teacher=len(plain.prompt_token_ids),
                    layout_ids=layout_ids_of(builder),
-                   sink_ids=tuple(builder.span_config.sink_ids))
+                   sink_ids=tuple(builder.span_config.sink_ids),
+                   sink_gap=builder.span_config.sink_gap)
 
 
 def layout_ids_of(builder: Any) -> tuple[int, int, int]:
@@ -101,19 +103,25 @@ def layout_ids_of(builder: Any) -> tuple[int, int, int]:
 def log_probs(model: Any, ids: Sequence[int], keep: int,
               runs: Sequence[tuple[int, ...]] = (),
               layout_ids: Sequence[int] = (), sink_ids: Sequence[int] = (),
-              prompt_len: int | None = None) -> torch.Tensor:
+              prompt_len: int | None = None, sink_gap: int = 0) -> torch.Tensor:
     """``[keep, vocab]`` next-token log-probs at the last ``keep`` positions of ``ids``, under
     the block mask of ``runs`` with ``layout_ids`` hidden and each span's ``sink_ids`` seen by
     that span only (``()``, ``()``: plain causal attention). ``prompt_len``: ``ids`` from there
     on is the answer, whose layout ids are real tokens (``layout.layout_view``)."""
     device = model.device
-    allowed, positions = layout_view(ids, runs, layout_ids, sink_ids, prompt_len)
+    allowed, positions = layout_view(ids, runs, layout_ids, sink_ids, prompt_len, sink_gap)
     mask = additive_mask(allowed, model.dtype)
     out = model(input_ids=torch.tensor([list(ids)], device=device),
                 attention_mask=mask.to(device),
                 position_ids=positions.to(device).unsqueeze(0), use_cache=False,
                 logits_to_keep=keep)
     return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def student_log_probs(model: Any, ex: Example) -> torch.Tensor:
+    """:func:`log_probs` of ``ex``'s student sequence under its span layout (the engine's)."""
+    return log_probs(model, ex.student_ids, ex.shared, ex.runs, ex.layout_ids, ex.sink_ids,
+                     ex.student_prompt_len, ex.sink_gap)
 
 
 def kl_rows(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
@@ -135,8 +143,7 @@ def distillation_loss(model: Any, ex: Example, target: torch.Tensor,
     why: tuning for the block mask moves the model's full-attention answers too, and a user
     serves both kinds of request from one model; this term holds the plain ones in place at
     the cost of a second forward pass."""
-    student = log_probs(model, ex.student_ids, ex.shared, ex.runs, ex.layout_ids, ex.sink_ids,
-                        ex.student_prompt_len)
+    student = student_log_probs(model, ex)
     loss = kl_rows(target, student).mean()
     if keep_full:
         plain = log_probs(model, ex.teacher_ids, ex.shared)

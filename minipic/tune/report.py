@@ -71,18 +71,14 @@ def score_item(student: Any, builder: Any, item: Any, max_tokens: int) -> dict[s
     with student.base() as base:
         ex = objective.make_example(base, builder, item, max_tokens)
         reference = objective.log_probs(base, ex.teacher_ids, ex.shared)
-        base_block = objective.log_probs(base, ex.student_ids, ex.shared, ex.runs,
-                                         ex.layout_ids, ex.sink_ids, ex.student_prompt_len)
+        base_block = objective.student_log_probs(base, ex)
     model = student.model
-    tuned_block = objective.log_probs(model, ex.student_ids, ex.shared, ex.runs,
-                                      ex.layout_ids, ex.sink_ids, ex.student_prompt_len)
+    tuned_block = objective.student_log_probs(model, ex)
     tuned_full = objective.log_probs(model, ex.teacher_ids, ex.shared)
     rows = [("base_block", base_block), ("tuned_block", tuned_block), ("tuned_full", tuned_full)]
     unrounded = getattr(student, "unrounded", None)
     if unrounded is not None:
-        rows.append(("unrounded_block",
-                     objective.log_probs(unrounded, ex.student_ids, ex.shared, ex.runs,
-                                         ex.layout_ids, ex.sink_ids, ex.student_prompt_len)))
+        rows.append(("unrounded_block", objective.student_log_probs(unrounded, ex)))
     answer_rows = slice(-len(ex.answer) - 1, -1)  # the rows that predict A's tokens
     p = reference[answer_rows]
     record: dict[str, Any] = {"id": item.id, "answer_tokens": len(ex.answer)}

@@ -56,6 +56,7 @@ class TuneSettings:
     data_digest: str = ""
     method: str = "lora"  # or "full" (METHODS)
     keep_full: float = 0.0  # weight of KL(base plain ‖ student plain) beside the block loss
+    sink_gap: int = 0  # SpanConfig.sink_gap of the layout tuned for (the engine's positions)
 
     def describe(self) -> str:
         """One line for reports: what was trained, and on which loss."""
@@ -67,7 +68,10 @@ class TuneSettings:
         return f"{what}; self-distillation {loss} over question + greedy answer"
 
     def digest(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        fields = dataclasses.asdict(self)
+        if not self.sink_gap:  # runs from before the field keep their digest, so they resume
+            del fields["sink_gap"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 

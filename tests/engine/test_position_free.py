@@ -168,7 +168,9 @@ def test_a_span_hides_its_copy_of_the_head_before_it(seed) -> None:
     (other tokens, a part of it only), or after no head, hides its sink alone. The worker's
     rules (``span_segments.span_hidden``) written out as a mask and positions equal the
     reference (``minipic/tune/layout.py``, told where the heads are), with and without sinks,
-    and with spans that lack the sink in a prompt whose other spans hold it."""
+    and with spans that lack the sink in a prompt whose other spans hold it. With a sink gap
+    G, each sink ends G positions before its span's hidden copy (or first token), which still
+    sits right before the span's first shown token."""
     import numpy as np
 
     from minipic.engine_ext.attention.span_isolation import _PromptRules, _row_view
@@ -178,7 +180,9 @@ def test_a_span_hides_its_copy_of_the_head_before_it(seed) -> None:
     rng = random.Random(seed)
     bs = rng.choice([4, 8, 16])
     sink_ids = rng.choice([(), (3,), (3, 4, 6)])
-    cfg = SpanConfig(block_size=bs, ssep_id=5, pdep_id=11, pad_id=16, sink_ids=sink_ids)
+    gap = rng.choice([0, 0, 1, 7, 64])
+    cfg = SpanConfig(block_size=bs, ssep_id=5, pdep_id=11, pad_id=16, sink_ids=sink_ids,
+                     sink_gap=gap)
 
     def words(n: int) -> list[int]:
         return [rng.randrange(100, 1000) for _ in range(n)]
@@ -206,7 +210,7 @@ def test_a_span_hides_its_copy_of_the_head_before_it(seed) -> None:
         sink = sink_ids if rng.random() < 0.7 else ()  # a span without its sink, now and then
         prompt += padded([cfg.ssep_id, *sink, *text])
         runs.append((start, len(prompt), "whole"))
-        kinds.append(kind)
+        kinds.append((kind, len(sink), len(head) if kind == "copy" else 0))
         sinks += len(sink)
     prompt += [cfg.pdep_id, *words(rng.randrange(1, bs))]
     tokens = np.array(prompt + words(3))
@@ -215,10 +219,19 @@ def test_a_span_hides_its_copy_of_the_head_before_it(seed) -> None:
     view = _row_view(rules, n, np.arange(n), bs)
     allowed_ref, positions_ref = layout_view(tokens.tolist(), runs,
                                              (cfg.ssep_id, cfg.pdep_id, cfg.pad_id),
-                                             cfg.sink_ids, prompt_len=num_prompt)
+                                             cfg.sink_ids, prompt_len=num_prompt,
+                                             sink_gap=gap)
     j = torch.arange(n)
     shown = torch.from_numpy(view.key_positions) >= 0
     hidden = torch.from_numpy(view.sink)
+    # the rule in arithmetic: sink i of a span at (first shown) - copy - G - S + i
+    spans = [r for r in runs if r[2] == "whole"]
+    for (start, end, _), (_, lead, copy) in zip(spans, kinds, strict=True):
+        first = start + 1 + lead + copy
+        if lead and first < end and tokens[first] != cfg.pad_id:
+            want = view.key_positions[first] - copy - gap - lead + np.arange(lead)
+            assert np.array_equal(view.key_positions[start + 1:start + 1 + lead], want), \
+                f"{kinds} (seed={seed})"
     isolated = torch.from_numpy(view.isolated)
     allowed = (j[None, :] <= j[:, None]) & (j[None, :] >= torch.from_numpy(view.key_start)[:, None])
     allowed &= (shown & ~hidden)[None, :] | (hidden[None, :] & isolated[:, None])
@@ -229,7 +242,8 @@ def test_a_span_hides_its_copy_of_the_head_before_it(seed) -> None:
         f"{kinds} (seed={seed})"
     copies = sum(len(tokens[a:b][np.isin(tokens[a:b], (cfg.pdep_id, cfg.pad_id), invert=True)])
                  for (a, b, part), kind in zip([r for r in runs if r[2] == "head"],
-                                               [k for k in kinds if k != "none"], strict=True)
+                                               [k[0] for k in kinds if k[0] != "none"],
+                                               strict=True)
                  if kind == "copy")
     assert int(hidden.sum()) == copies + sinks, f"{kinds} (seed={seed})"
 

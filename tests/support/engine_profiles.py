@@ -23,6 +23,8 @@ ENGINE_PROFILES: dict[str, dict[str, Any]] = {
     "tiny_pic": dict(model="tiny-llama", pic=True),
     "tiny_stock": dict(model="tiny-llama", pic=False),
     "tiny_hash_only": dict(model="tiny-llama", pic=True, features=("hash",)),
+    # spans whose sink sits a gap before their text (SpanConfig.sink_gap); 40: no block multiple
+    "tiny_pic_gap": dict(model="tiny-llama", pic=True, sink_gap=40),
     # tiny Qwen3-Next hybrid with sparse recurrent checkpoints (span hashing refuses hybrids)
     "qwen3next_ckpt": dict(model="tiny-qwen3-next", pic=True, features=("ckpt",),
                            dtype="bfloat16",

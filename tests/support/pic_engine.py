@@ -96,7 +96,7 @@ def selective_prompt(llm: Any, rng: random.Random, share: float, question: str,
 
     cfg = llm.minipic_settings.span_config
     builder = PromptBuilder.from_pretrained(None, block_size=cfg.block_size,
-                                            chat_template=False)
+                                            chat_template=False, sink_gap=cfg.sink_gap)
     assert builder.span_config == cfg
     if docs is None:
         docs = random_documents(rng)

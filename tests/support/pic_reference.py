@@ -86,23 +86,27 @@ class PicReference:
 
     ``layout_ids``: the tokens rule 1 hides (default: the model's own SSEP / PDEP / PAD, as the
     engine derives them); ``sink_ids``: the opening a span may carry after its SSEP, seen only
-    by that span (default: the model's own, as the engine derives it)."""
+    by that span (default: the model's own, as the engine derives it); ``sink_gap``: positions
+    between a span's sink and its first token (default: the model folder's, as the engine's)."""
 
     def __init__(self, model_dir: str, layout_ids: Sequence[int] | None = None,
-                 sink_ids: Sequence[int] | None = None, window: str = "logical") -> None:
+                 sink_ids: Sequence[int] | None = None, window: str = "logical",
+                 sink_gap: int | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="eager"
         ).eval()
         self.vocab_size = self.model.config.vocab_size
-        if layout_ids is None or sink_ids is None:
+        if layout_ids is None or sink_ids is None or sink_gap is None:
             cfg = span_config_for_model(model_dir)
             if layout_ids is None:
                 layout_ids = (cfg.ssep_id, cfg.pdep_id, cfg.pad_id)
             sink_ids = cfg.sink_ids if sink_ids is None else sink_ids
+            sink_gap = cfg.sink_gap if sink_gap is None else sink_gap
         self.layout_ids = tuple(layout_ids)
         self.sink_ids = tuple(sink_ids)
+        self.sink_gap = sink_gap
         # how a sliding window counts: "logical" (real tokens, the layout rule), or the wrong
         # rules a test must tell apart: "physical" (slots, markers and pads included), "none"
         self.window = window
@@ -119,7 +123,7 @@ class PicReference:
         generated SSEP / PDEP / PAD is a real token (None: all of ``token_ids`` is prompt).
         """
         allowed, positions = layout_view(token_ids, spans, self.layout_ids if opted_in else (),
-                                         self.sink_ids, prompt_len)
+                                         self.sink_ids, prompt_len, self.sink_gap)
         out = self.model(
             input_ids=torch.tensor([list(token_ids)]),
             attention_mask=self._masks(allowed, positions),
