@@ -133,10 +133,12 @@ def layer_problems(vllm_config: Any) -> list[str]:
     return []
 
 
-def worker_model_support(worker: Any) -> ModelSupport:
+def worker_model_support(worker: Any, sink_gap: int | None = None) -> ModelSupport:
     """This worker's verdict: position-free iff its runner goes through the isolation hook and
     every attention layer stores unrotated keys (what :meth:`StepGuard.check_static` demands of
-    an opted-in step, asked before any request instead of at one)."""
+    an opted-in step, asked before any request instead of at one), and the rotary table holds
+    every position a span request can reach (:func:`position_room`; ``sink_gap``: the gap to
+    ask about, None: the engine's own)."""
     worker = getattr(worker, "worker", worker)  # collective_rpc hands callables the wrapper
     count, bad = _layer_reasons(worker.vllm_config)
     problems = runner_problems(getattr(worker, "model_runner", None))
@@ -148,13 +150,13 @@ def worker_model_support(worker: Any) -> ModelSupport:
         name, why = next(iter(bad.items()))
         return ModelSupport(False, f"{len(bad)} of {count} attention layers keep rotated keys; "
                                    f"first {name}: {why}", count, count - len(bad))
-    short = position_room(worker.vllm_config)
+    short = position_room(worker.vllm_config, sink_gap)
     if short:
         return ModelSupport(False, short, count, count)
     return ModelSupport(True, None, count, count)
 
 
-def position_room(vllm_config: Any) -> str | None:
+def position_room(vllm_config: Any, sink_gap: int | None = None) -> str | None:
     """Why a span request could reach a position past the model's rotary table (None: it
     cannot).
 
@@ -166,8 +168,10 @@ def position_room(vllm_config: Any) -> str | None:
     """
     from minipic.span_contract.span_config import SpanConfig
 
-    config = SpanConfig.from_env()
-    gap = config.sink_gap if config is not None else 0
+    gap = sink_gap
+    if gap is None:
+        config = SpanConfig.from_env()
+        gap = config.sink_gap if config is not None else 0
     if not gap:
         return None
     limit = vllm_config.model_config.max_model_len + gap

@@ -33,10 +33,16 @@ SYNC_TARGET = "vllm.v1.engine.llm_engine:LLMEngine.add_request"
 UTILITY_TARGET = f"vllm.v1.engine.core:EngineCore.{MODEL_SUPPORT_UTILITY}"
 
 
-def _engine_model_support(engine_core: Any) -> dict[str, Any]:
-    """EngineCore utility: the verdict of every worker, combined (the first refusal wins)."""
+def _engine_model_support(engine_core: Any, sink_gap: int | None = None) -> dict[str, Any]:
+    """EngineCore utility: the verdict of every worker, combined (the first refusal wins).
+    ``sink_gap``: ask about another sink gap than the engine's (what an operator would get
+    with it; not kept)."""
     from minipic.engine_ext.vllm_surface import integration_guard
 
+    if sink_gap is not None:
+        ranks = engine_core.model_executor.collective_rpc(
+            integration_guard.worker_model_support, kwargs={"sink_gap": sink_gap})
+        return ModelSupport.combine(list(ranks)).to_dict()
     cached = engine_core.__dict__.get(MODEL_SUPPORT_ATTR)
     if cached is None:
         ranks = engine_core.model_executor.collective_rpc(integration_guard.worker_model_support)

@@ -9,7 +9,9 @@ transformers reference of docs/design.md §2 (``minipic/tune/layout.py`` with th
   sent cold (every span computed in place), equal the reference with G, and the reference with
   G = 0 is far from both (the gap is applied, not ignored);
 * selective@B: the heads computed in context, the whole spans reused after them with their
-  hidden copy of the head, cold and warm, equal the reference with G.
+  hidden copy of the head, cold and warm, equal the reference with G;
+* room: a gap that would move positions past the model's rotary table is refused to span
+  requests with the reason (``model_support``), never run into an index error mid-step.
 
 Tolerance: ``REFERENCE_TOL`` on every returned top-k logprob (fp32 kernels vs transformers).
 """
@@ -90,3 +92,17 @@ def test_selective_hides_its_copy_and_its_sink_with_the_gap(gap_engine, referenc
         err = _error(with_gap, out, ids, runs)
         assert err < REFERENCE_TOL, (f"{name}: off the reference by {err:.2e} "
                                      f"(share {share}, seed={seed})")
+
+
+def test_a_gap_past_the_rotary_table_is_refused_with_the_reason(gap_engine) -> None:
+    from minipic.engine_ext.vllm_surface import request_gate
+    from minipic.span_contract.model_support import MODEL_SUPPORT_UTILITY, ModelSupport
+
+    assert request_gate.fetch_sync(gap_engine.llm_engine).position_free
+    config = gap_engine.llm_engine.model_config
+    room = config.hf_config.max_position_embeddings - config.max_model_len  # the table's rows
+    client = gap_engine.llm_engine.engine_core
+    fits, past = (ModelSupport.from_dict(client.call_utility(MODEL_SUPPORT_UTILITY, gap))
+                  for gap in (room, room + 1))
+    assert fits.position_free, fits.reason
+    assert not past.position_free and f"sink_gap={room + 1}" in past.reason, past.reason

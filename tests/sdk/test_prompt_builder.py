@@ -713,6 +713,43 @@ def test_block_size_checks(model_dir, builders):
         builder.check_engine(builder.span_config.model_copy(update={"pad_id": 3}))
 
 
+def test_the_sink_gap_is_the_engines_and_a_tuned_folders(model_dir, builders, tmp_path):
+    """A sink gap moves positions only: the builder lays out the same tokens, checks it against
+    the engine's (a builder without a sink suits any), and takes a tuned folder's as the
+    engine does (``minipic_tune.json``); EngineSettings sets it one place only."""
+    import json
+    import shutil
+
+    from minipic.span_contract.engine_config import EngineSettings
+    from minipic.span_contract.special_tokens import span_config_for_model
+
+    builder = pick_builder(builders, 16, True)
+    gapped = builder.span_config.model_copy(update={"sink_gap": 64})
+    with pytest.raises(EngineMismatchError, match="sink_gap: builder 0, engine 64"):
+        builder.check_engine(gapped)
+    builder.without_sink().check_engine(gapped)
+    far = PromptBuilder.from_pretrained(model_dir, block_size=16, sink_gap=64)
+    far.check_engine(gapped)
+    spans = ["alpha beta " * 9, "gamma " * 20]
+    assert (far.build(spans=spans, question="q?").prompt_token_ids
+            == builder.build(spans=spans, question="q?").prompt_token_ids)
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(model_dir, tuned, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert span_config_for_model(str(tuned)).sink_gap == 0  # no manifest: untuned
+    (tuned / "minipic_tune.json").write_text(json.dumps({"sink_gap": 96}))
+    assert span_config_for_model(str(tuned)).sink_gap == 96
+    assert PromptBuilder.from_pretrained(tuned).span_config.sink_gap == 96
+    (tuned / "minipic_tune.json").write_text(json.dumps({"sink_gap": -1}))
+    with pytest.raises(ValueError, match="sink_gap must be an integer >= 0"):
+        span_config_for_model(str(tuned))
+
+    config = span_config_for_model(model_dir)
+    assert EngineSettings(sink_gap=128).resolved().span_config.sink_gap == 128
+    with pytest.raises(ValueError, match="give it in one place"):
+        EngineSettings(span_config=config, sink_gap=128).resolved()
+
+
 def test_check_engine_reads_the_plugin_environment(builders, monkeypatch):
     builder = pick_builder(builders, 16, True)
     for key in (ENABLE_ENV, SPAN_CONFIG_ENV):

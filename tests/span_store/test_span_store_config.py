@@ -171,7 +171,7 @@ def base_config():
 
 @pytest.mark.parametrize("change", ["weights", "revision", "hf_overrides", "quantization",
                                     "dtype", "block_size", "engine_code", "span_config", "sink",
-                                    "load_format", "loader_extra", "vllm", "torch",
+                                    "sink_gap", "load_format", "loader_extra", "vllm", "torch",
                                     "compilation", "model_impl"])
 def test_every_input_of_the_kv_changes_the_fingerprint_and_the_keys(base_config, change,
                                                                     tmp_path, monkeypatch,
@@ -217,6 +217,8 @@ def test_every_input_of_the_kv_changes_the_fingerprint_and_the_keys(base_config,
         other_span = SpanConfig(**{**span.model_dump(), "pad_id": span.pad_id + 1})
     elif change == "sink":  # spans that sink into another opening compute other KV
         other_span = SpanConfig(**{**span.model_dump(), "sink_ids": (1, 2, 3)})
+    elif change == "sink_gap":  # the same opening further from the text: other positions
+        other_span = SpanConfig(**{**span.model_dump(), "sink_gap": span.sink_gap + 64})
     elif change == "load_format":  # random weights from the same folder
         other_config, _ = _vllm_config(load_format="dummy")
     elif change == "loader_extra":
