@@ -15,6 +15,12 @@ change) adds, per mode both ran, the paired per-item difference NEW − OLD of K
 a bootstrap 95% CI: the items are the same, so the difference's CI is far narrower than the two
 rows' CIs side by side.
 
+``--transformers LABEL=levers.json[:VARIANT,...]`` adds rows measured in transformers alone
+(``benchmarks/layout_levers.py``, ``benchmarks/span_selection.py``: layouts the engine does not
+run, such as other sink gaps or other selections): KL, top-1 and greedy = full with their CIs,
+no TTFT (not timed, so not on the frontier). Their KL is over the whole vocabulary, the engine's
+over its top 20 with the rest in one bucket; the ``measured`` column says which.
+
 Writes ``frontier.json``, ``frontier.md`` and ``frontier.png`` to ``--out``.
 """
 
@@ -36,7 +42,7 @@ def rows_of(label: str, report: dict[str, Any]) -> list[dict[str, Any]]:
     for mode, m in s["modes"].items():
         ttft = m["ttft_p50_ms"]
         row = {
-            "run": label, "mode": mode, "n": s["n"],
+            "run": label, "mode": mode, "n": s["n"], "measured": "engine",
             "model": report["engine"]["model"],
             "reference_model": report["engine"].get("reference_model", report["engine"]["model"]),
             "kl": m["kl_mean"]["mean"], "kl_ci": m["kl_mean"]["ci95"],
@@ -56,6 +62,32 @@ def rows_of(label: str, report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def transformers_rows(label: str, report: dict[str, Any],
+                      variants: list[str] | None = None) -> list[dict[str, Any]]:
+    """Rows of a transformers benchmark's summary (``variants``: those only, in that order)."""
+    nan = float("nan")
+    summary = report["summary"]
+    unknown = [v for v in variants or [] if v not in summary]
+    if unknown:
+        raise ValueError(f"{label}: no variant {unknown} (it has {list(summary)})")
+    out = []
+    for name in variants or list(summary):
+        m = summary[name]
+        out.append({
+            "run": label, "mode": name, "n": report["meta"]["n"],
+            "measured": "transformers", "model": report["meta"].get("model_name", ""),
+            "reference_model": report["meta"].get("model_name", ""),
+            "kl": m["kl"]["mean"], "kl_ci": m["kl"]["ci95"],
+            "top1": m["top1"]["mean"], "top1_ci": m["top1"]["ci95"],
+            "greedy": m["greedy_same"], "ttft_ms": nan, "full_ttft_ms": nan,
+            "ttft_vs_full": nan, "ttft_vs_block": nan, "ttft_source": "not timed",
+            "goal": {"top1": m["top1"]["mean"] >= GOAL["top1"], "kl": m["kl"]["mean"] <= GOAL["kl"],
+                     "greedy": m["greedy_same"] >= GOAL["greedy"], "ttft_vs_full": False,
+                     "ttft_vs_block": False},
+        })
+    return out
+
+
 def with_ttft_from(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
     """Replace each row's TTFTs by those of a run made for timing (one item at a time, so a
     TTFT holds only its own request's work); the model's architecture decides the cost, so one
@@ -65,6 +97,8 @@ def with_ttft_from(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
     full_ms = s["full_attention"]["ttft_p50_ms"]
     block_ms = s["modes"]["block_attention"]["ttft_p50_ms"]
     for r in rows:
+        if r.get("measured") == "transformers":
+            continue
         timed = s["modes"].get(r["mode"])
         ms = full_ms if r["mode"] == "prefix" else timed["ttft_p50_ms"] if timed else None
         if ms is None:  # not timed: no TTFT rather than one measured under other load
@@ -97,16 +131,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     def mark(ok: bool) -> str:
         return "✓" if ok else "✗"
 
-    lines = ["| run | mode | n | KL(full ‖ mode) [CI] | top-1 agree, % [CI] | greedy = full | "
-             "warm TTFT p50 | × full | × block_attention | goal (top-1, KL, greedy, TTFT) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    def num(v: float | None, fmt: str) -> str:
+        return "—" if v is None or v != v else format(v, fmt)  # None / NaN: not timed
+
+    lines = ["| measured | run | mode | n | KL(full ‖ mode) [CI] | top-1 agree, % [CI] | "
+             "greedy = full | warm TTFT p50, ms | × full | × block_attention | "
+             "goal (top-1, KL, greedy, TTFT) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r["goal"]
-        vs_block = f"{r['ttft_vs_block']:.2f}" if r["ttft_vs_block"] is not None else "—"
         lines.append(
-            f"| {r['run']} | {r['mode']} | {r['n']} | {ci(r['kl'], r['kl_ci'])} | "
-            f"{ci(r['top1'], r['top1_ci'], 100, 1)} | {r['greedy'] * 100:.0f}% | "
-            f"{r['ttft_ms']:.0f} ms | {r['ttft_vs_full']:.2f} | {vs_block} | "
+            f"| {r.get('measured', 'engine')} | {r['run']} | {r['mode']} | {r['n']} | "
+            f"{ci(r['kl'], r['kl_ci'])} | {ci(r['top1'], r['top1_ci'], 100, 1)} | "
+            f"{r['greedy'] * 100:.0f}% | {num(r['ttft_ms'], '.0f')} | "
+            f"{num(r['ttft_vs_full'], '.2f')} | {num(r['ttft_vs_block'], '.2f')} | "
             f"{mark(g['top1'])} {mark(g['kl'])} {mark(g['greedy'])} "
             f"{mark(g['ttft_vs_full'] and g['ttft_vs_block'])} |")
     return "\n".join(lines)
@@ -149,35 +187,52 @@ def paired_table(old_label: str, new_label: str, rows: list[dict[str, Any]]) -> 
 
 
 def plot(rows: list[dict[str, Any]], front: list[dict[str, Any]], path: Path) -> None:
+    """KL and top-1 against TTFT for the timed rows; below, every row's KL (untimed ones too)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
-    runs = sorted({r["run"] for r in rows})
-    markers = dict(zip(runs, "osD^v<>", strict=False))
-    for r in rows:
+    timed = [r for r in rows if r["ttft_vs_full"] == r["ttft_vs_full"]]
+    fig = plt.figure(figsize=(13, 10.5))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1.15])
+    left, right = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    bars = fig.add_subplot(grid[1, :])
+    runs = sorted({r["run"] for r in timed})
+    markers = dict(zip(runs, "osD^v<>ph*", strict=False))
+    for r in timed:
         for ax, key, scale in ((left, "kl", 1.0), (right, "top1", 100.0)):
             low, high = r[f"{key}_ci"]
             y = r[key] * scale
             ax.errorbar(r["ttft_vs_full"], y, yerr=[[y - low * scale], [high * scale - y]],
                         fmt=markers[r["run"]], capsize=3)
-            ax.annotate(f"{r['run']}: {r['mode']}", (r["ttft_vs_full"], y), fontsize=7,
+            ax.annotate(f"{r['run']}: {r['mode']}", (r["ttft_vs_full"], y), fontsize=6,
                         xytext=(4, 3), textcoords="offset points")
-    left.plot([r["ttft_vs_full"] for r in front], [r["kl"] for r in front], "k--", lw=1,
-              label="Pareto frontier")
+    if front:
+        left.plot([r["ttft_vs_full"] for r in front], [r["kl"] for r in front], "k--", lw=1,
+                  label="Pareto frontier")
     left.axhline(GOAL["kl"], color="g", lw=1, ls=":", label=f"goal KL ≤ {GOAL['kl']}")
     right.axhline(GOAL["top1"] * 100, color="g", lw=1, ls=":",
                   label=f"goal top-1 ≥ {GOAL['top1'] * 100:.0f}%")
     for ax in (left, right):
         ax.axvline(GOAL["ttft_vs_full"], color="g", lw=1, ls=":")
-        ax.set_xlabel("warm TTFT p50 / full attention's (same run)")
+        ax.set_xlabel("warm TTFT p50 / full attention's")
         ax.legend(fontsize=8)
     left.set_ylabel("KL(full ‖ mode) per answer token")
     right.set_ylabel("top-1 agreement with full attention, %")
-    left.set_title("closer to full attention is lower")
-    right.set_title("closer to full attention is higher")
+    left.set_title("engine rows: closer to full attention is lower")
+    right.set_title("engine rows: closer to full attention is higher")
+    colors = {"engine": "tab:blue", "transformers": "tab:orange"}
+    xs = range(len(rows))
+    for x, r in zip(xs, rows, strict=True):
+        low, high = r["kl_ci"]
+        bars.bar(x, r["kl"], color=colors.get(r.get("measured", "engine"), "grey"),
+                 yerr=[[r["kl"] - low], [high - r["kl"]]], capsize=2)
+    bars.set_xticks(list(xs), [f"{r['run']}: {r['mode']}" for r in rows], rotation=75,
+                    ha="right", fontsize=6)
+    bars.axhline(GOAL["kl"], color="g", lw=1, ls=":")
+    bars.set_ylabel("KL [95% CI]")
+    bars.set_title("every row (blue: engine, top-20 KL; orange: transformers, full-vocab KL)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -196,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                              "several items at once)")
     parser.add_argument("--paired", default=None, metavar="OLD:NEW",
                         help="two run labels on the same items: per-item paired NEW - OLD")
+    parser.add_argument("--transformers", action="append", default=[],
+                        metavar="LABEL=PATH[:VARIANT,...]",
+                        help="rows of a transformers benchmark's JSON (layout_levers, "
+                             "span_selection), all variants or those named; repeatable")
     parser.add_argument("--mode-pair", action="append", default=[], metavar="RUN:OLD>NEW",
                         help="two modes of one run, per item: NEW - OLD (e.g. "
                              "sink:block_attention/no-sink>block_attention); repeatable")
@@ -215,6 +274,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.ttft_from.is_file():
             parser.error(f"--ttft-from {args.ttft_from}: no such file")
         with_ttft_from(rows, json.loads(args.ttft_from.read_text()))
+    for spec in args.transformers:
+        label, sep, rest = spec.partition("=")
+        path, _, names = rest.partition(":")
+        if not sep or not Path(path).is_file():
+            parser.error(f"--transformers {spec!r}: expected LABEL=PATH[:VARIANT,...]")
+        try:
+            rows += transformers_rows(label, json.loads(Path(path).read_text()),
+                                      [v for v in names.split(",") if v] or None)
+        except ValueError as exc:
+            parser.error(str(exc))
     front = frontier(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"goal": GOAL, "rows": rows, "ttft_from": str(args.ttft_from or ""),

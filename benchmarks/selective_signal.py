@@ -59,7 +59,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -636,18 +636,24 @@ def load_items(args: argparse.Namespace) -> tuple[list[Any], list[dict[str, Any]
 
 
 def run_items(args: argparse.Namespace, evaluate: Callable[[int, Any], dict[str, Any]],
-              started: float, time_limit: float | None = None
+              started: float, time_limit: float | None = None,
+              done: Mapping[str, dict[str, Any]] | None = None
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
     """The first ``--n`` items of ``--data`` (a .jsonl, or a built-in set as minipic eval with
     ``--seed``, ``--passages``, ``--max-words``), each through ``evaluate(index, item)``; with
-    ``time_limit`` (minutes since ``started``) no item starts after it. Returns the records,
-    the errors (the file's bad lines, then the items that failed) and how many items there
-    were; says so when no item ran."""
+    ``time_limit`` (minutes since ``started``) no item starts after it. ``done``: records of an
+    earlier run of the same settings by item id (:func:`earlier_records`), kept instead of run
+    again (each item's index is its place in the file, so a resumed run computes what one
+    uninterrupted run would). Returns the records, the errors (the file's bad lines, then the
+    items that failed) and how many items there were; says so when no item ran."""
     from tqdm import tqdm
 
     items, errors = load_items(args)
     records = []
     for index, item in enumerate(tqdm(items, desc="items", unit="item")):
+        if done and item.id in done:
+            records.append(done[item.id])
+            continue
         if time_limit and time.perf_counter() - started > time_limit * 60:
             print(f"--time-limit: stopped after {len(records)} items")
             break
@@ -660,6 +666,23 @@ def run_items(args: argparse.Namespace, evaluate: Callable[[int, Any], dict[str,
     if not records:
         print(f"no item ran: {errors}")
     return records, errors, len(items)
+
+
+def earlier_records(path: Path, meta: Mapping[str, Any], keys: Sequence[str]
+                    ) -> dict[str, dict[str, Any]]:
+    """The per-item records of an earlier report at ``path`` (``--resume``), by item id: empty
+    when there is none; refused (``SystemExit`` with the reason) when it was run with other
+    values of ``keys`` than ``meta`` holds, since its items would not pair with new ones."""
+    if not path.is_file():
+        print(f"--resume: no {path}, starting from the first item")
+        return {}
+    old = json.loads(path.read_text())
+    differ = [k for k in keys if old["meta"].get(k) != meta.get(k)]
+    if differ:
+        raise SystemExit(f"--resume: {path} was run with other {differ} "
+                         f"({[old['meta'].get(k) for k in differ]}); use another --out")
+    print(f"--resume: {len(old['items'])} items kept from {path}")
+    return {r["id"]: r for r in old["items"]}
 
 
 def run_meta(records: list[dict[str, Any]], wall: float, *,

@@ -410,6 +410,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="span tokens per block of deviation and random (default 32)")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="minutes: take no new item after this and write what ran")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the items --out's selection.json already holds (a run stopped "
+                         "by --time-limit; it may have had more --selections) and run the "
+                         "rest, as one run would")
     args = ss.parse_common(
         ap, argv, out="results/span_selection",
         check_help="per item: assert the in-context pass equals the plain prompt, nothing "
@@ -433,19 +437,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     builder = builder.without_sink()
     if not 0 <= args.attn_layer < model.config.num_hidden_layers:
         raise SystemExit(f"--attn-layer: the model has {model.config.num_hidden_layers} layers")
+    settings = {"data": args.data, "max_tokens": args.max_tokens, "budgets": args.budgets,
+                "selections": args.selections, "attn_layer": args.attn_layer,
+                "block": args.block, "model": model_dir}
+    done = None
+    if args.resume:  # the earlier run may have had more selections: each record holds them all
+        done = ss.earlier_records(args.out / "selection.json", settings,
+                                  [k for k in settings if k != "selections"])
+        short = [r for r in done.values()
+                 if any(f"{s}@{b:g}" not in r["configs"]
+                        for s in args.selections for b in args.budgets)]
+        if short:
+            raise SystemExit(f"--resume: item {short[0]['id']} lacks some of --selections "
+                             f"{args.selections}; use another --out")
     records, errors, requested = ss.run_items(
         args, lambda index, item: evaluate_item(model, builder, item, index, args), started,
-        args.time_limit)
+        args.time_limit, done)
     if not records:
         return 1
     wall = time.perf_counter() - started
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python benchmarks/span_selection.py " + " ".join(sys.argv[1:]),
-        "n": len(records), "items_requested": requested, "data": args.data,
-        "model": model_dir, "model_name": Path(model_dir).name, "dtype": "float32",
-        "block_size": 32, "max_tokens": args.max_tokens, "budgets": args.budgets,
-        "selections": args.selections, "attn_layer": args.attn_layer, "block": args.block,
+        "n": len(records), "items_requested": requested, **settings,
+        "model_name": Path(model_dir).name, "dtype": "float32", "block_size": 32,
+        "resumed_items": len(done or {}),
         "mean_span_tokens": float(np.mean([r["span_tokens"] for r in records])),
         **ss.run_meta(records, wall, processor=True),
     }

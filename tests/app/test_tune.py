@@ -188,10 +188,11 @@ def test_tuned_model_loads_in_vllm_and_eval_skips_its_tuning_items(tmp_path: Pat
     run = tmp_path / "run"
     assert main(["tune", "--model", "tiny-llama", "--data", str(data), "--skip-bad-lines",
                  "--out", str(run), "--steps", "2", "--batch", "2", "--max-tokens", "3",
-                 "--threads", "1", "--seed", str(seed % 1000)]) == 0
+                 "--threads", "1", "--seed", str(seed % 1000), "--sink-gap", "24"]) == 0
     out = capsys.readouterr().out
     assert "1 bad lines skipped" in out
     manifest = json.loads((run / "model" / "minipic_tune.json").read_text())
+    assert manifest["sink_gap"] == 24  # the layout it was tuned for, which engines take
     heldout = [json.loads(line) for line in (run / "heldout.jsonl").read_text().splitlines()]
     trained = set(manifest["data"]["train_question_digests"])
     assert len(trained) + len(heldout) == len(rows)
@@ -213,6 +214,7 @@ def test_tuned_model_loads_in_vllm_and_eval_skips_its_tuning_items(tmp_path: Pat
     assert scored["summary"]["n"] == len(heldout) + 1
     assert scored["engine"]["model"] == str(run / "model")
     assert scored["engine"]["reference_model"] != scored["engine"]["model"]
+    assert scored["engine"]["span_config"]["sink_gap"] == 24  # the engine took the folder's
     assert scored["summary"]["modes"]["prefix"]["kl_mean"]["mean"] >= 0  # what tuning moved
     assert set(scored["summary"]["modes"]) == {"prefix", "selective@0.5"}
     assert tuned_row["question"] not in {r["question"] for r in scored["items"]}
