@@ -242,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+",
-                        help="LABEL=path/to/eval.json; ~LABEL=...: a run used only for "
-                             "--paired (no rows: its TTFTs are another code's)")
+                        help="LABEL=path/to/eval.json[:MODE,...] (rows of those modes only); "
+                             "~LABEL=...: a run used only for --paired (no rows: its TTFTs are "
+                             "another code's)")
     parser.add_argument("--out", type=Path, default=Path("results/fidelity"))
     parser.add_argument("--ttft-from", type=Path, default=None,
                         help="an eval.json run with --concurrency 1 whose TTFTs replace the "
@@ -262,14 +263,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     reports: dict[str, dict[str, Any]] = {}
     for spec in args.runs:
-        label, sep, path = spec.partition("=")
+        label, sep, rest = spec.partition("=")
+        path, _, names = rest.partition(":")
         if not sep or not Path(path).is_file():
-            parser.error(f"{spec!r}: expected LABEL=path/to/eval.json (an existing file)")
+            parser.error(f"{spec!r}: expected LABEL=path/to/eval.json[:MODE,...] (an existing "
+                         f"file)")
         paired_only = label.startswith("~")
         label = label.lstrip("~")
         reports[label] = json.loads(Path(path).read_text())
+        keep = [m for m in names.split(",") if m]
         if not paired_only:
-            rows += rows_of(label, reports[label])
+            rows += [r for r in rows_of(label, reports[label]) if not keep or r["mode"] in keep]
     if args.ttft_from is not None:
         if not args.ttft_from.is_file():
             parser.error(f"--ttft-from {args.ttft_from}: no such file")
