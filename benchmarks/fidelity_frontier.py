@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+",
-                        help="LABEL=path/to/eval.json[:MODE,...] (rows of those modes only); "
+                        help="LABEL=path/to/eval.json[:MODE,...] (rows and --paired rows of "
+                             "those modes only); "
                              "~LABEL=...: a run used only for --paired (no rows: its TTFTs are "
                              "another code's)")
     parser.add_argument("--out", type=Path, default=Path("results/fidelity"))
@@ -250,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="an eval.json run with --concurrency 1 whose TTFTs replace the "
                              "quality runs' (theirs include other items' work when they ran "
                              "several items at once)")
-    parser.add_argument("--paired", default=None, metavar="OLD:NEW",
-                        help="two run labels on the same items: per-item paired NEW - OLD")
+    parser.add_argument("--paired", action="append", default=[], metavar="OLD:NEW",
+                        help="two run labels on the same items: per-item paired NEW - OLD "
+                             "(over the items both ran); repeatable")
     parser.add_argument("--transformers", action="append", default=[],
                         metavar="LABEL=PATH[:VARIANT,...]",
                         help="rows of a transformers benchmark's JSON (layout_levers, "
@@ -262,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     reports: dict[str, dict[str, Any]] = {}
+    kept: dict[str, list[str]] = {}  # the modes a run spec names (empty: all)
     for spec in args.runs:
         label, sep, rest = spec.partition("=")
         path, _, names = rest.partition(":")
@@ -272,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         label = label.lstrip("~")
         reports[label] = json.loads(Path(path).read_text())
         keep = [m for m in names.split(",") if m]
+        kept[label] = keep
         if not paired_only:
             rows += [r for r in rows_of(label, reports[label]) if not keep or r["mode"] in keep]
     if args.ttft_from is not None:
@@ -294,12 +298,15 @@ def main(argv: list[str] | None = None) -> int:
               "frontier": [(r["run"], r["mode"]) for r in front],
               "meets_goal": [(r["run"], r["mode"]) for r in rows if all(r["goal"].values())]}
     text = table(rows)
-    if args.paired:
-        old, sep, new = args.paired.partition(":")
+    for spec in args.paired:
+        old, sep, new = spec.partition(":")
         if not sep or old not in reports or new not in reports:
-            parser.error(f"--paired {args.paired!r}: expected OLD:NEW, two of the run labels")
-        report["paired"] = {"old": old, "new": new, "rows": paired(reports[old], reports[new])}
-        text += "\n\n" + paired_table(old, new, report["paired"]["rows"])
+            parser.error(f"--paired {spec!r}: expected OLD:NEW, two of the run labels")
+        modes = [(m, m) for m in reports[new]["summary"]["modes"]
+                 if all(m in kept[run] for run in (old, new) if kept[run])]
+        pair = {"old": old, "new": new, "rows": paired(reports[old], reports[new], modes)}
+        report.setdefault("paired", []).append(pair)
+        text += "\n\n" + paired_table(old, new, pair["rows"])
     for spec in args.mode_pair:
         run, _, pair = spec.partition(":")
         old_mode, sep, new_mode = pair.partition(">")
