@@ -218,7 +218,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                 "prompt_text", "kv_hints"),
                "the same refusal for LLM (request_gate.py)"),
     PatchPoint("rope", "vllm.v1.engine.core:EngineCore." + MODEL_SUPPORT_UTILITY,
-               ("engine_core",),
+               ("engine_core", "sink_gap"),
                "whether every worker's attention layers are position-free, asked of the "
                "EngineCore by name by the front-ends (request_gate.py)",
                kind="adds"),
