@@ -14,7 +14,11 @@ stay in their parent's process group, though. So:
 * SIGTERM, SIGINT and SIGHUP to ``minipic serve`` are passed to the server's whole group, as a
   terminal passes Ctrl-C to every process of a plain ``vllm serve``: each vLLM process runs its
   own shutdown (the API server alone ignores SIGTERM until its engine has started, which can take
-  minutes). A second signal, or a shutdown slower than ``SHUTDOWN_GRACE_S``, kills the group.
+  minutes). A server still up halfway through ``SHUTDOWN_GRACE_S`` gets the signal once more, its
+  leader alone, as an operator presses Ctrl-C twice: a vLLM API server whose engine died under it
+  during start-up can sit on the first one, and the second makes Python and uvicorn stop waiting
+  (an orderly exit, so the engine is still shut down by its own hand). A second signal to
+  ``minipic serve``, or a shutdown slower than ``SHUTDOWN_GRACE_S``, kills the group.
   Whatever is left of the group after the server exits is stopped too.
 
 The guard is this module run as ``python -m minipic.serving.supervise FD``; it imports nothing
@@ -169,6 +173,8 @@ class Supervisor:
         self.grace_s = grace_s
         self.server: subprocess.Popen[bytes] | None = None
         self.stop_requested_at: float | None = None
+        self.forwarded: signal.Signals | None = None  # the stop signal the server was sent
+        self.repeated = False  # ... and sent again, halfway through the grace
         self.killed = False  # the group had to be SIGKILLed
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -179,6 +185,7 @@ class Supervisor:
             self.stop_requested_at = time.monotonic()
             _say(f"{signal.Signals(signum).name}: shutting the server down")
             forward = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
+            self.forwarded = forward
             try:
                 if self.signal_group:
                     os.killpg(server.pid, forward)
@@ -222,7 +229,18 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             since = self.stop_requested_at
-            if since is not None and time.monotonic() - since > self.grace_s:
+            if since is None:
+                continue
+            waited = time.monotonic() - since
+            if not self.repeated and self.forwarded is not None and waited > self.grace_s / 2:
+                self.repeated = True
+                _say(f"the server is still up {waited:.0f} s after {self.forwarded.name}; "
+                     "sending it once more")
+                try:
+                    server.send_signal(self.forwarded)
+                except ProcessLookupError:
+                    pass
+            if waited > self.grace_s:
                 _say(f"the server did not stop within {self.grace_s:.0f} s; killing it")
                 self.killed = True
                 _kill_group(server.pid)

@@ -44,10 +44,13 @@ pytestmark = pytest.mark.shares(
 # greedy tokens except after a near-tie (top-2 margin within the tolerance); cached-token counts
 # are asserted exactly, so a resume from the wrong position fails there.
 LOGPROB_TOL = 0.25
-# Resumed (from a bf16 checkpoint) vs recomputed: the chosen tokens' logprobs over 8 greedy steps.
-# Fresh random prompts put the bf16 noise tail above 0.25 now and then (0.31 in a CI run on
-# 2026-12-02); a wrong or shifted state moves whole distributions, nats, not tenths.
-RESUME_LOGPROB_TOL = 0.5
+# Resumed (from a bf16 checkpoint) vs recomputed, over 8 greedy steps. The first step's
+# distribution is what the resumed state itself produces: held to LOGPROB_TOL. Later steps add
+# each step's own bf16 noise on top (their max over 8 steps x 5 entries reached 0.59 on fresh
+# random prompts in a CI run), so there only the greedy tokens are held: the same, except after a
+# near-tie whose top-2 margin is within this; a wrong or shifted state moves whole
+# distributions at the first step, nats, not tenths.
+RESUME_MARGIN_TOL = 0.5
 # The tiny Qwen3-Next's recurrent block is chosen by vLLM, never a constant here: vLLM enlarges
 # the attention block until one attention page (2 KV heads x 64 x K,V x bf16 = 512 B/token)
 # holds one GDN layer's state, rounded up to the requested block (32). That state's dtype
@@ -359,29 +362,36 @@ def test_the_other_ssm_dtype_engine(engines, ckpt_llm, block):
         assert generate(llm, prompt[:k] + rand_ids(rng, 30)).num_cached_tokens == deepest(plan, k)
 
 
-def greedy_difference(got: Any, ref: Any) -> float:
-    """Largest chosen-token logprob difference; asserts the greedy tokens agree (up to a tie)."""
+def greedy_difference(got: Any, ref: Any, margin: float = LOGPROB_TOL) -> float:
+    """Largest chosen-token logprob difference; asserts the greedy tokens agree (up to a tie:
+    a reference top-2 margin within ``margin``)."""
     worst = 0.0
     for tok_a, tok_b, lp_a, lp_b in zip(got.token_ids, ref.token_ids, got.logprobs,
                                         ref.logprobs, strict=True):
         top = sorted((v.logprob for v in lp_b.values()), reverse=True)
         if tok_a != tok_b:  # only allowed where the reference itself had a near-tie
-            assert top[0] - top[1] <= LOGPROB_TOL, (got.token_ids, ref.token_ids)
-            assert abs(lp_a[tok_a].logprob - top[0]) <= LOGPROB_TOL
+            assert top[0] - top[1] <= margin, (got.token_ids, ref.token_ids)
+            assert abs(lp_a[tok_a].logprob - top[0]) <= margin
             break
         worst = max(worst, abs(lp_a[tok_a].logprob - lp_b[tok_b].logprob))
     return worst
 
 
+def first_step_difference(got: Any, ref: Any) -> float:
+    """Largest |logprob difference| over the first decoded step's top-k entries both returned:
+    the distribution the prompt's final state produces, before any decode noise."""
+    a, b = got.logprobs[0], ref.logprobs[0]
+    return max(abs(a[t].logprob - b[t].logprob) for t in a.keys() & b.keys())
+
+
 @pytest.mark.engine
-def test_exact_resume_matches_no_prefix_cache(engines, ckpt_llm, block):
+def test_exact_resume_matches_no_prefix_cache(engines, ckpt_llm, block, rng):
     """Greedy tokens and logprobs after resuming from a checkpoint = prefix caching off.
 
     Three resumes: from 2g with a final chunk inside one block, from 2g with a final chunk that
     crosses the 3g boundary, and from g crossing 2g. Crossing finals are where the strict mode
     lifts vLLM's prompt-tail stop, so the state is carried over boundaries without a stop.
     """
-    rng = random.Random()
     g = block
     p1, p2 = rand_ids(rng, 3 * g + 100), rand_ids(rng, 3 * g + 100)
     generate(ckpt_llm, p1, [g, 2 * g])
@@ -392,15 +402,17 @@ def test_exact_resume_matches_no_prefix_cache(engines, ckpt_llm, block):
         (p2[:2 * g + rng.randrange(100, 300)] + rand_ids(rng, 40), [g], g),
     ]
     nocache = engines.get("qwen3next_nocache")
-    worst = 0.0
+    first = 0.0
     for query, plan, hit in cases:
         got = generate(ckpt_llm, query, plan, max_tokens=8, logprobs=5)
         ref = generate(nocache, query, max_tokens=8, logprobs=5)
         assert got.num_cached_tokens == hit
         assert ref.num_cached_tokens == 0
-        worst = max(worst, greedy_difference(got.outputs[0], ref.outputs[0]))
-    print(f"max |logprob difference| resumed vs no prefix caching: {worst:.2e}")
-    assert worst <= RESUME_LOGPROB_TOL
+        first = max(first, first_step_difference(got.outputs[0], ref.outputs[0]))
+        later = greedy_difference(got.outputs[0], ref.outputs[0], RESUME_MARGIN_TOL)
+        print(f"resumed vs no prefix caching, max |logprob difference|: first step {first:.2e}"
+              f", chosen tokens of 8 steps {later:.2e}")
+    assert first <= LOGPROB_TOL
 
 
 @pytest.mark.engine
