@@ -1,4 +1,5 @@
-"""`minipic serve` as an operator runs it: killed, stopped, and asked to empty its cache.
+"""`minipic serve` as an operator runs it: killed, stopped, and asked to empty its cache; and a
+script holding an embedded engine, killed.
 
 Real processes throughout: ``minipic serve`` with the tiny model (vLLM's API server and its
 EngineCore, which runs the worker: ``EngineSettings.executor_args``), signalled the way a crash,
@@ -270,3 +271,38 @@ def test_sigint_while_the_engine_loads(leftovers) -> None:
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, log_tail(server.log_path)
     assert wait_gone(procs, 10) == [], log_tail(server.log_path)
+
+
+EMBEDDED_SCRIPT = textwrap.dedent("""
+    if __name__ == "__main__":
+        import time
+        from minipic.orchestrator import SyncOrchestrator
+        orc = SyncOrchestrator.embedded("tiny-llama", max_model_len=1024)
+        print("ready", flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.engine
+def test_a_killed_script_leaves_no_engine_behind(leftovers, tmp_path) -> None:
+    """SIGTERM's default action ends a script without its engine's finalizer: the EngineCore,
+    left to itself, kept running (engine_ext/parent_watch.py)."""
+    from minipic.engine_ext.parent_watch import EXIT_GRACE_S
+
+    script = tmp_path / "embedded.py"
+    script.write_text(EMBEDDED_SCRIPT)
+    log = tmp_path / "embedded.log"
+    with open(log, "wb") as out:  # a file, not a pipe nobody drains: the engine logs too
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while b"ready\n" not in log.read_bytes() and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert b"ready\n" in log.read_bytes(), log_tail(str(log))
+    procs = tree(proc.pid)
+    leftovers.extend(procs)
+    assert "VLLM::EngineCore" in {n.split("_")[0] for n in names(procs)}, names(procs)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == -signal.SIGTERM  # the script itself died at once, no clean-up
+    assert wait_gone(procs, EXIT_GRACE_S + 25) == [], log_tail(str(log))
