@@ -22,8 +22,8 @@ orchestrator, the tests) set together with the span configuration. When enabled 
   ``MINIPIC_CKPT_CONFIG``). Not on by default; hybrid engines run with it instead of ``hash``.
 
 Whatever the features, an EngineCore that minipic's launchers started (``MINIPIC_ENABLE`` set,
-on or off) stops once its parent is gone (``engine_ext/parent_watch.py``): a killed script or
-``minipic eval`` leaves no engine behind.
+on or off) stops once its parent is gone (``engine_ext/vllm_surface/parent_watch.py``): a
+killed script or ``minipic eval`` leaves no engine behind.
 
 Measurements only: with ``MINIPIC_PROFILE_DIR`` set, ``register()`` also times the steps of
 every process, stock engines included (``engine_ext/profiling/step_profile.py``); unset, it wraps
@@ -53,7 +53,7 @@ def active_state() -> dict[str, object]:
 
 
 def register() -> None:
-    from minipic.engine_ext import parent_watch
+    from minipic.engine_ext.vllm_surface import parent_watch
 
     parent_watch.install()
     _register_features()

@@ -64,7 +64,7 @@ VARIABLES: tuple[Variable, ...] = (
              "1 turns the vLLM plugin on in this process tree; set at all (0 or 1: started by "
              "minipic), an EngineCore also stops once its parent is gone; unset, minipic leaves "
              "vLLM stock", "engine_ext/plugin.py via span_contract/span_config.py; "
-             "engine_ext/parent_watch.py"),
+             "engine_ext/vllm_surface/parent_watch.py"),
     Variable(SPAN_CONFIG_ENV, "unset",
              "the span configuration (block size, SSEP / PDEP / pad ids) as JSON, for engines "
              "started without it in vLLM's additional_config", "span_contract/span_config.py"),

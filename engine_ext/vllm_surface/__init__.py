@@ -6,4 +6,6 @@
 * ``integration_guard`` — proof, at an opted-in request's first step, that the worker's
   wrappers are on vLLM's code path (a wrapper can be installed and never called).
 * ``added_names`` — every attribute minipic sets on vLLM's objects.
+* ``parent_watch`` — an EngineCore minipic started stops once the process that started it is
+  gone (vLLM's EngineCore outlives a parent killed before its finalizer ran).
 """

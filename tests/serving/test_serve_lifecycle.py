@@ -286,8 +286,8 @@ EMBEDDED_SCRIPT = textwrap.dedent("""
 @pytest.mark.engine
 def test_a_killed_script_leaves_no_engine_behind(leftovers, tmp_path) -> None:
     """SIGTERM's default action ends a script without its engine's finalizer: the EngineCore,
-    left to itself, kept running (engine_ext/parent_watch.py)."""
-    from minipic.engine_ext.parent_watch import EXIT_GRACE_S
+    left to itself, kept running (engine_ext/vllm_surface/parent_watch.py)."""
+    from minipic.engine_ext.vllm_surface.parent_watch import EXIT_GRACE_S
 
     script = tmp_path / "embedded.py"
     script.write_text(EMBEDDED_SCRIPT)
