@@ -98,7 +98,8 @@ def start(family: Family) -> Any:
     from minipic.engine_ext import plugin
     from minipic.span_contract.engine_config import EngineSettings, build_llm, patched_environ
 
-    settings = EngineSettings(model=str(family_dir(family)), pic=True, max_model_len=1024)
+    settings = EngineSettings(model=str(family_dir(family)), pic=True, max_model_len=1024,
+                              extra=dict(family.engine_extra))
     with patched_environ({"VLLM_CPU_KVCACHE_SPACE": FAMILY_KV_GIB,
                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
         llm = build_llm(settings)
